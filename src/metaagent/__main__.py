@@ -1,0 +1,3 @@
+from metaagent.cli import main
+
+main()

@@ -1,0 +1,205 @@
+"""The egress guard: the one gate in front of every outbound connection of every tool.
+
+Two checks, in this order, for every request and every redirect hop:
+
+1. `check_url`: the URL is http(s) and its host (read as `egress.url` reads it) is on the allow-list.
+2. At connect time, inside the HTTP client's network backend: the guard resolves the host itself and
+   refuses loopback, private, link-local, multicast, reserved and unspecified addresses (IPv4-mapped
+   and other embedded IPv4 forms included), unless the address is itself an exact allow-list entry or
+   private networks are allowed. It then connects to the very address it checked, so a DNS answer that
+   changes between check and use (rebinding) changes nothing. TLS still verifies the host name, and the
+   Host header is the URL's, because the HTTP client never learns that the address was pinned.
+
+Proxy variables are ignored, TLS is always verified, and every refusal logs the seed's `[SECURITY]` line
+and an `egress.blocked` audit record.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import ssl
+from collections.abc import Iterable
+from typing import Any
+
+import anyio
+import httpcore2
+import httpx2
+from httpcore2._backends.anyio import AnyIOBackend
+
+from metaagent.audit import AuditLog
+from metaagent.egress.allowlist import AllowList
+from metaagent.egress.url import InvalidURL, SchemeRefused, Target, parse_url
+from metaagent.errors import EgressRefused, HostBlocked, UpstreamError, UpstreamTimeout
+
+security_log = logging.getLogger("metaagent.security")
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def escape_for_log(text: str) -> str:
+    """Escapes control and line-breaking characters so that a hostile URL cannot forge log lines."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch == "\\":
+            out.append("\\\\")
+        elif code < 0x20 or code == 0x7F or 0x80 <= code < 0xA0:
+            out.append(f"\\x{code:02x}")
+        elif ch in "\u2028\u2029":
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def address_class(address: IPAddress) -> str | None:
+    """Why an address is off-limits by default ("loopback", "private", ...), or None if it is public."""
+    embedded: IPAddress | None = None
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = address.ipv4_mapped or address.sixtofour
+        if address.teredo:
+            embedded = address.teredo[1]
+        if address in _NAT64:
+            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    if embedded is not None:
+        return address_class(embedded)
+    for name in ("unspecified", "loopback", "link_local", "multicast", "private", "reserved"):
+        if getattr(address, f"is_{name}"):
+            return name.replace("_", "-")
+    if not address.is_global:
+        return "not globally routable"
+    return None
+
+
+class EgressGuard:
+    def __init__(
+        self, allowlist: AllowList, *, allow_private_networks: bool = False, audit: AuditLog | None = None
+    ) -> None:
+        self.allowlist = allowlist
+        self.allow_private_networks = allow_private_networks
+        self.audit = audit
+
+    def _refuse(self, line: str, tool: str, **fields: Any) -> None:
+        security_log.warning("[SECURITY] %s", line)
+        if self.audit is not None:
+            self.audit.append("egress.blocked", tool=tool, **fields)
+
+    def check_url(self, url: str, method: str = "GET", *, tool: str = "http") -> Target:
+        """Parses the URL and checks its scheme and host; raises EgressRefused or HostBlocked."""
+        shown = f"({method} {escape_for_log(url)})"
+        try:
+            target = parse_url(url)
+        except SchemeRefused as exc:
+            self._refuse(
+                f"Blocked HTTP request with disallowed scheme: {exc.scheme} {shown}",
+                tool,
+                url=url,
+                method=method,
+                reason="scheme",
+            )
+            raise
+        except InvalidURL:
+            raise
+        match = self.allowlist.match(target.host)
+        if not match.allowed:
+            self._refuse(
+                f"Blocked HTTP request to disallowed host: {escape_for_log(target.host)} {shown}",
+                tool,
+                host=target.host,
+                url=url,
+                method=method,
+                reason=match.reason,
+            )
+            raise HostBlocked(target.host)
+        if target.has_userinfo:
+            raise EgressRefused("Credentials in the URL are not supported: send an Authorization header instead")
+        return target
+
+    async def resolve(
+        self,
+        host: str,
+        port: int,
+        *,
+        tool: str = "http",
+        timeout: float | None = None,  # noqa: ASYNC109 -- passed down from httpcore
+    ) -> list[str]:
+        """The addresses to connect to for an allowed host, after the address policy; raises otherwise."""
+        if self.allowlist.match(host).allowed and _is_literal(host):
+            return [host]  # an exact IP entry is an explicit decision of the operator
+        try:
+            with anyio.fail_after(timeout):
+                infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except TimeoutError:
+            raise UpstreamTimeout(f"DNS lookup of {host} timed out") from None
+        except OSError as exc:
+            raise UpstreamError(f"DNS lookup of {host} failed: {exc.strerror or exc}") from None
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        for text in addresses:
+            address = ipaddress.ip_address(text.split("%", 1)[0])
+            kind = address_class(address)
+            if kind and not self.allow_private_networks and not self.allowlist.match(str(address)).allowed:
+                self._refuse(
+                    f"Blocked HTTP request to {kind} address: {escape_for_log(host)} resolves to {address}",
+                    tool,
+                    host=host,
+                    port=port,
+                    address=str(address),
+                    reason=kind,
+                )
+                raise EgressRefused(
+                    f"{host} resolves to {address}, a {kind} address, which the egress policy forbids; "
+                    "list that exact address in ALLOW_HTTP_HOSTS or set METAAGENT_ALLOW_PRIVATE_NETWORKS=true",
+                    host=host,
+                )
+        return addresses
+
+    def transport(self, *, tool: str = "http") -> httpx2.AsyncHTTPTransport:
+        return _GuardedTransport(self, tool)
+
+
+def _is_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class _GuardedBackend(AnyIOBackend):
+    """Resolves through the guard and connects only to the addresses it approved."""
+
+    def __init__(self, guard: EgressGuard, tool: str) -> None:
+        self._guard = guard
+        self._tool = tool
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 -- httpcore's interface, not ours
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore2.AsyncNetworkStream:
+        addresses = await self._guard.resolve(host, port, tool=self._tool, timeout=timeout)
+        last_error: Exception | None = None
+        for address in addresses:
+            try:
+                return await super().connect_tcp(address, port, timeout, local_address, socket_options)
+            except (httpcore2.ConnectError, httpcore2.ConnectTimeout) as exc:
+                last_error = exc
+        assert last_error is not None  # noqa: S101 -- resolve() never returns an empty list
+        raise last_error
+
+
+class _GuardedTransport(httpx2.AsyncHTTPTransport):
+    def __init__(self, guard: EgressGuard, tool: str) -> None:
+        super().__init__(trust_env=False)
+        # httpx does not expose the network backend, so the pool is rebuilt around ours: same TLS context
+        # (system trust store, verification on), same HTTP/1.1 pool, only the way of connecting differs.
+        self._pool = httpcore2.AsyncConnectionPool(
+            ssl_context=ssl.create_default_context(),
+            network_backend=_GuardedBackend(guard, tool),
+        )

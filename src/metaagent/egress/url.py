@@ -1,0 +1,168 @@
+"""Reading an http(s) URL's host the way browsers and the WHATWG URL standard read it.
+
+SSRF filters are usually beaten by a disagreement between the parser that checks a URL and the one
+that fetches it (`https://allowed.com\\@evil.com`, `http://0x7f.1/`, `http://%31%32%37.0.0.1`). We close
+that gap from both sides: the host is read here as the standard reads it (backslashes end the
+authority, the last `@` ends the user info, percent-escapes are decoded, IPv4 in any of its decimal,
+octal or hex spellings is canonicalised, names go through IDNA), and the request is then sent to a URL
+rebuilt from exactly these parts, so the fetching client has nothing left to interpret differently.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from urllib.parse import unquote_to_bytes
+
+import idna
+
+from metaagent.errors import EgressRefused
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):(.*)$", re.DOTALL)
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+# The WHATWG "forbidden domain code points", after percent-decoding.
+_FORBIDDEN = frozenset(" #%/:<>?@[\\]^|\x7f") | frozenset(chr(c) for c in range(0x20))
+
+
+@dataclass(frozen=True)
+class Target:
+    """A parsed, canonical http(s) URL."""
+
+    scheme: str
+    host: str  # normalised: lower case, punycode, canonical IP, no brackets, no trailing dot
+    port: int
+    path: str  # path and query, starting with "/"
+    has_userinfo: bool
+
+    @property
+    def is_ip(self) -> bool:
+        return _is_ip(self.host)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        port = "" if self.port == _DEFAULT_PORTS[self.scheme] else f":{self.port}"
+        return f"{self.scheme}://{host}{port}{self.path}"
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class InvalidURL(EgressRefused):
+    pass
+
+
+class SchemeRefused(EgressRefused):
+    def __init__(self, scheme: str) -> None:
+        super().__init__(f"Only http and https URLs are allowed, not {scheme}:", scheme=scheme)
+        self.scheme = scheme
+
+
+def parse_url(raw: str) -> Target:
+    """Parses an absolute http or https URL; raises InvalidURL or SchemeRefused."""
+    text = raw.strip("".join(chr(c) for c in range(0x21)))
+    text = re.sub(r"[\t\n\r]", "", text)
+    match = _SCHEME.match(text)
+    if not match:
+        raise InvalidURL(f"Not an absolute URL: {raw[:200]!r}; write it like https://example.com/path")
+    scheme = match.group(1).lower()
+    if scheme not in _DEFAULT_PORTS:
+        raise SchemeRefused(scheme)
+    rest = match.group(2).lstrip("/\\")
+    end = next((i for i, ch in enumerate(rest) if ch in "/\\?#"), len(rest))
+    authority, tail = rest[:end], rest[end:]
+    userinfo, _, hostport = authority.rpartition("@")
+    host_text, port = _split_port(hostport, raw)
+    host = parse_host(host_text, raw)
+    path, _, _fragment = tail.partition("#")
+    before_query, question, query = path.partition("?")
+    path = before_query.replace("\\", "/") + question + query
+    if not path.startswith("/"):
+        path = "/" + path
+    return Target(scheme, host, port or _DEFAULT_PORTS[scheme], path, bool(userinfo))
+
+
+def _split_port(hostport: str, raw: str) -> tuple[str, int | None]:
+    if hostport.startswith("["):
+        close = hostport.find("]")
+        if close < 0:
+            raise InvalidURL(f"Unclosed IPv6 bracket in URL: {raw[:200]!r}")
+        host, after = hostport[: close + 1], hostport[close + 1 :]
+        if after and not after.startswith(":"):
+            raise InvalidURL(f"Unexpected text after the IPv6 address in URL: {raw[:200]!r}")
+        port_text = after[1:]
+    else:
+        host, _, port_text = hostport.partition(":")
+    if not port_text:
+        return host, None
+    if not port_text.isascii() or not port_text.isdigit() or int(port_text) > 65535:
+        raise InvalidURL(f"Invalid port {port_text[:20]!r} in URL; ports are numbers from 0 to 65535")
+    return host, int(port_text)
+
+
+def parse_host(text: str, raw: str = "") -> str:
+    """A URL host as the WHATWG host parser reads it, in the allow-list's normal form."""
+    if not text:
+        raise InvalidURL(f"The URL has no host: {raw[:200]!r}")
+    if text.startswith("["):
+        try:
+            return str(ipaddress.IPv6Address(text[1:-1]))
+        except ValueError:
+            raise InvalidURL(f"Invalid IPv6 address {text!r} in URL") from None
+    try:
+        decoded = unquote_to_bytes(text).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidURL(f"The host of {raw[:200]!r} is not valid UTF-8 after percent-decoding") from None
+    if decoded.isascii():
+        ascii_host = decoded.lower()
+    else:
+        try:
+            ascii_host = idna.encode(idna.uts46_remap(decoded, std3_rules=False, transitional=False)).decode()
+        except idna.IDNAError as exc:
+            raise InvalidURL(f"Invalid international host name in URL ({exc})") from None
+    if any(ch in _FORBIDDEN for ch in ascii_host):
+        raise InvalidURL(f"The host {decoded[:100]!r} contains characters a host cannot have")
+    labels = ascii_host.split(".")
+    if len(labels) > 1 and labels[-1] == "":
+        labels.pop()
+    if _ends_in_number(labels[-1]):
+        return _parse_ipv4(labels, raw)
+    host = ".".join(labels)
+    if not host or "" in labels:
+        raise InvalidURL(f"The host {decoded[:100]!r} has an empty label")
+    return host
+
+
+def _ends_in_number(label: str) -> bool:
+    if label.isascii() and label.isdigit():
+        return True
+    return label[:2] in ("0x", "0X") and all(c in "0123456789abcdefABCDEF" for c in label[2:])
+
+
+def _parse_ipv4(labels: list[str], raw: str) -> str:
+    if len(labels) > 4:
+        raise InvalidURL(f"Invalid IPv4 address in URL {raw[:200]!r}")
+    numbers = [_ipv4_number(label, raw) for label in labels]
+    if any(n > 255 for n in numbers[:-1]) or numbers[-1] >= 256 ** (5 - len(numbers)):
+        raise InvalidURL(f"Invalid IPv4 address in URL {raw[:200]!r}: a part is out of range")
+    value = numbers[-1]
+    for index, number in enumerate(numbers[:-1]):
+        value += number * 256 ** (3 - index)
+    return str(ipaddress.IPv4Address(value))
+
+
+def _ipv4_number(label: str, raw: str) -> int:
+    try:
+        if label[:2] in ("0x", "0X"):
+            return int(label[2:] or "0", 16)
+        if len(label) > 1 and label.startswith("0"):
+            return int(label[1:], 8)
+        return int(label, 10)
+    except ValueError:
+        raise InvalidURL(f"Invalid IPv4 address in URL {raw[:200]!r}") from None

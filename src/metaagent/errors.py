@@ -1,0 +1,89 @@
+"""Every error the service raises on purpose, in one tree, each with the HTTP status it maps to.
+
+    MetaAgentError                       500 unless a subclass says otherwise
+    ├── ConfigError                      refuses to start (exit status 2)
+    ├── RequestRefused                   400: policy says no; the caller can change the request
+    │   ├── EgressRefused                a URL, scheme or address the egress policy forbids
+    │   │   └── HostBlocked              the host is not on the allow-list ("Blocked host: <host>")
+    │   └── PackageRefused               an npm package the package policy forbids
+    ├── NotFound                         404
+    ├── AtCapacity                       429, with Retry-After
+    ├── UpstreamError                    502: an allowed upstream failed (DNS, refused, TLS, bad answer)
+    │   └── UpstreamTimeout              504: an allowed upstream was too slow
+    └── Unavailable                      503: something the service needs is missing (engine, key, image)
+
+Messages say what happened and what to do; they never contain a secret. `extra` holds additional
+fields for the JSON body (`{"error": message, **extra}`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MetaAgentError(Exception):
+    status_code = 500
+
+    def __init__(self, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        return {"error": self.message, **self.extra}
+
+
+class ConfigError(MetaAgentError):
+    """The configuration cannot be used; `problems` lists each bad entry with its fix."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or []
+
+    def __str__(self) -> str:
+        return "\n".join([self.message, *(f"  - {p}" for p in self.problems)])
+
+
+class RequestRefused(MetaAgentError):
+    status_code = 400
+
+
+class EgressRefused(RequestRefused):
+    pass
+
+
+class HostBlocked(EgressRefused):
+    def __init__(self, host: str, hint: str | None = None) -> None:
+        message = f"Blocked host: {host}"
+        if hint:
+            message = f"{message} ({hint})"
+        super().__init__(message, host=host)
+        self.host = host
+
+
+class PackageRefused(RequestRefused):
+    pass
+
+
+class NotFound(MetaAgentError):
+    status_code = 404
+
+
+class AtCapacity(MetaAgentError):
+    status_code = 429
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.retry_after_s = retry_after_s
+
+
+class UpstreamError(MetaAgentError):
+    status_code = 502
+
+
+class UpstreamTimeout(UpstreamError):
+    status_code = 504
+
+
+class Unavailable(MetaAgentError):
+    status_code = 503

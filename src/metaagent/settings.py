@@ -1,0 +1,73 @@
+"""The service's configuration: one frozen model, read from `.env`, `.env.local` and the environment.
+
+Later sources win: `.env` < `.env.local` < real environment variables. Lists (`ALLOW_HTTP_HOSTS`,
+`METAAGENT_NPM_ALLOWED_PACKAGES`, `METAAGENT_API_KEYS`) are kept as raw text here and parsed by the
+modules that own their rules, so that a malformed value produces that module's helpful message rather
+than a generic JSON error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+KIB = 1024
+MIB = 1024 * KIB
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="METAAGENT_",
+        env_file=(".env", ".env.local"),
+        env_file_encoding="utf-8",
+        extra="ignore",
+        frozen=True,
+    )
+
+    # Egress.
+    allow_http_hosts: Annotated[str, NoDecode] = Field(
+        default="", validation_alias=AliasChoices("ALLOW_HTTP_HOSTS", "allow_http_hosts")
+    )
+    allow_private_networks: bool = False
+    http_max_response_bytes: int = Field(default=4 * MIB, gt=0)
+    http_max_redirects: int = Field(default=5, ge=0, le=20)
+
+    # Credentials of the upstream tools. Never logged, returned or passed to a sandbox.
+    serper_api_key: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("SERPER_API_KEY", "serper_api_key")
+    )
+    openai_api_key: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("OPENAI_API_KEY", "openai_api_key")
+    )
+    serper_base_url: str = "https://google.serper.dev"
+    openai_base_url: str = Field(
+        default="https://api.openai.com/v1",
+        validation_alias=AliasChoices("OPENAI_BASE_URL", "openai_base_url"),
+    )
+
+    # Code interpreter.
+    sandbox_image: str | None = None
+    sandbox_cache_dir: Path = Path("/var/cache/metaagent")
+    sandbox_build_on_start: bool = True
+    sandbox_cpus: float = Field(default=0.5, gt=0, le=8)
+    max_concurrent_executions: int | None = Field(default=None, ge=1)
+    execution_queue_size: int = Field(default=32, ge=0)
+    kill_grace_s: float = Field(default=5.0, ge=0, le=60)
+    npm_allowed_packages: Annotated[str | None, NoDecode] = None
+    npm_install_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    npm_registry: str | None = None
+
+    # Operations.
+    audit_log: Path = Path("metaagent-audit.jsonl")
+    api_keys: Annotated[str, NoDecode] = ""
+    log_format: str = Field(default="text", pattern="^(text|json)$")
+    max_request_bytes: int = Field(default=2 * MIB, gt=0)
+
+    def effective_concurrency(self, cpu_count: int) -> int:
+        """Concurrent executions: as many containers as the CPUs hold at `sandbox_cpus` each."""
+        if self.max_concurrent_executions is not None:
+            return self.max_concurrent_executions
+        return max(1, int(cpu_count / self.sandbox_cpus))

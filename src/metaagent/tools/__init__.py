@@ -1,0 +1,59 @@
+"""The catalogue of tools: one entry per tool, from which HTTP routes, `GET /tools` and MCP are built.
+
+Each tool's request model is its single source of truth: it validates HTTP bodies, it is the OpenAPI
+schema, the OpenAI function schema and the MCP input schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    path: str
+    request_model: type[BaseModel]
+    response_model: type[BaseModel]
+    summary: str
+
+    @property
+    def description(self) -> str:
+        return (self.request_model.__doc__ or self.summary).strip()
+
+    def parameters_schema(self) -> dict[str, Any]:
+        return inline_refs(self.request_model.model_json_schema())
+
+    def function_schema(self) -> dict[str, Any]:
+        """The OpenAI function-calling shape (flat, as the Responses API takes it)."""
+        return {
+            "type": "function",
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters_schema(),
+        }
+
+
+def inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """Replaces local `$ref`s by their definitions: function-calling clients handle flat schemas best."""
+    defs = schema.get("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                merged = {
+                    **defs[ref.removeprefix("#/$defs/")],
+                    **{k: v for k, v in node.items() if k != "$ref"},
+                }
+                return resolve(merged)
+            return {k: resolve(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        return node
+
+    result: dict[str, Any] = resolve(schema)
+    return result

@@ -1,0 +1,131 @@
+"""The HTTP tool: one request to an allow-listed host, redirects re-checked hop by hop, body capped."""
+
+from __future__ import annotations
+
+import base64
+from typing import Literal
+
+import anyio
+import httpx2
+from pydantic import BaseModel, ConfigDict, Field
+
+from metaagent.egress.guard import EgressGuard
+from metaagent.errors import RequestRefused, UpstreamError, UpstreamTimeout
+
+Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+# Set by the client from the URL and the body; a caller's value could only confuse the upstream about
+# which site or how many bytes it is talking to.
+_RESERVED_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "upgrade"})
+# Credentials that must not follow a redirect to another origin.
+_CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
+
+
+class HttpRequest(BaseModel):
+    """Make one HTTP request to an allow-listed host and return the status, headers and body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(min_length=1, max_length=8192, description="Absolute http or https URL.")
+    method: Method = Field(default="GET", description="HTTP method.")
+    headers: dict[str, str] = Field(default_factory=dict, description="Request headers.")
+    body: str | None = Field(default=None, description="Request body, sent as UTF-8.")
+    timeout_s: float = Field(default=30, gt=0, le=120, description="Deadline for the whole exchange, in seconds.")
+
+
+class HttpResponse(BaseModel):
+    status: int
+    headers: dict[str, str]
+    body: str
+    encoding: Literal["utf-8", "base64"]
+    truncated: bool
+    url: str
+
+
+class HttpTool:
+    def __init__(self, guard: EgressGuard, *, max_response_bytes: int, max_redirects: int) -> None:
+        self._guard = guard
+        self._max_bytes = max_response_bytes
+        self._max_redirects = max_redirects
+        self._client = httpx2.AsyncClient(transport=guard.transport(tool="http"), follow_redirects=False)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def __call__(self, request: HttpRequest) -> HttpResponse:
+        for name in request.headers:
+            if name.lower() in _RESERVED_HEADERS:
+                raise RequestRefused(f"The {name} header is set by the HTTP tool; remove it from headers")
+        try:
+            with anyio.fail_after(request.timeout_s):
+                return await self._exchange(request)
+        except TimeoutError:
+            raise UpstreamTimeout(f"The upstream did not answer within {request.timeout_s:g} s") from None
+        except httpx2.TimeoutException:
+            raise UpstreamTimeout(f"The upstream did not answer within {request.timeout_s:g} s") from None
+        except httpx2.TransportError as exc:
+            raise UpstreamError(f"Could not reach the upstream: {exc or type(exc).__name__}") from None
+
+    async def _exchange(self, request: HttpRequest) -> HttpResponse:
+        method: str = request.method
+        url = request.url
+        headers = dict(request.headers)
+        content = request.body.encode() if request.body is not None else None
+        origin = None
+        for _hop in range(self._max_redirects + 1):
+            target = self._guard.check_url(url, method, tool="http")
+            if origin is not None and (target.scheme, target.host, target.port) != origin:
+                headers = {k: v for k, v in headers.items() if k.lower() not in _CREDENTIAL_HEADERS}
+            origin = (target.scheme, target.host, target.port)
+            outgoing = self._client.build_request(
+                method, target.url, headers=headers, content=content, timeout=request.timeout_s
+            )
+            response = await self._client.send(outgoing, stream=True)
+            try:
+                location = response.headers.get("location")
+                if response.is_redirect and location:
+                    url = str(httpx2.URL(target.url).join(location))
+                    if response.status_code == 303 or (response.status_code in (301, 302) and method == "POST"):
+                        method, content = ("HEAD" if method == "HEAD" else "GET"), None
+                        headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+                    continue
+                body, truncated = await self._read_capped(response)
+            finally:
+                await response.aclose()
+            return _response(response, target.url, body, truncated)
+        raise UpstreamError(f"Too many redirects (more than {self._max_redirects}); last location: {url}")
+
+    async def _read_capped(self, response: httpx2.Response) -> tuple[bytes, bool]:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.aiter_bytes():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > self._max_bytes:
+                return b"".join(chunks)[: self._max_bytes], True
+        return b"".join(chunks), False
+
+
+def _response(response: httpx2.Response, url: str, body: bytes, truncated: bool) -> HttpResponse:
+    headers: dict[str, str] = {}
+    for name, value in response.headers.multi_items():
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    text, encoding = _decode(body, truncated)
+    return HttpResponse(
+        status=response.status_code,
+        headers=headers,
+        body=text,
+        encoding=encoding,
+        truncated=truncated,
+        url=url,
+    )
+
+
+def _decode(body: bytes, truncated: bool) -> tuple[str, Literal["utf-8", "base64"]]:
+    try:
+        return body.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError as exc:
+        # A cap can split a character: text that is valid up to its last few bytes is still text.
+        if truncated and exc.start >= len(body) - 3:
+            return body[: exc.start].decode("utf-8"), "utf-8"
+        return base64.b64encode(body).decode("ascii"), "base64"

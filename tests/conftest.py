@@ -1,0 +1,127 @@
+"""Shared fixtures: real HTTP servers on 127.0.0.1, and the service app run in-process with its lifespan."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import httpx2
+import pytest
+
+from metaagent.app import create_app
+from metaagent.settings import Settings
+
+
+class _UpstreamHandler(BaseHTTPRequestHandler):
+    """A small origin server: each path is a behaviour the egress tests need."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet test output
+        pass
+
+    def _reply(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _handle(self) -> None:
+        url = urlsplit(self.path)
+        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        if url.path == "/echo":
+            echo = {
+                "method": self.command,
+                "path": self.path,
+                "headers": {k.lower(): v for k, v in self.headers.items()},
+                "body": body.decode(),
+            }
+            self._reply(200, json.dumps(echo).encode(), {"Content-Type": "application/json"})
+        elif url.path == "/redirect":
+            self._reply(int(query.get("status", "302")), b"", {"Location": query["to"]})
+        elif url.path == "/slow":
+            time.sleep(float(query.get("s", "5")))
+            self._reply(200, b"late")
+        elif url.path == "/bytes":
+            self._reply(200, b"x" * int(query["n"]), {"Content-Type": "application/octet-stream"})
+        elif url.path == "/binary":
+            self._reply(200, bytes(range(256)), {"Content-Type": "application/octet-stream"})
+        else:
+            self._reply(200, b"hello from upstream", {"Content-Type": "text/plain; charset=utf-8"})
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _handle
+
+
+@contextmanager
+def running_upstream() -> Iterator[str]:
+    """Runs a real HTTP server on 127.0.0.1 and yields its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _UpstreamHandler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="session")
+def upstream() -> Iterator[str]:
+    with running_upstream() as url:
+        yield url
+
+
+def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {"audit_log": tmp_path / "audit.jsonl", "sandbox_build_on_start": False}
+    values.update(overrides)
+    return Settings(_env_file=None, **values)  # type: ignore[call-arg]  # pydantic-settings' init-only option
+
+
+ServiceFactory = Callable[..., Any]
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> ServiceFactory:
+    """`async with service(allow_http_hosts=...) as client:` runs the app in-process, lifespan included."""
+
+    @asynccontextmanager
+    async def start(**overrides: Any) -> AsyncIterator[httpx2.AsyncClient]:
+        app = create_app(make_settings(tmp_path, **overrides))
+        async with app.router.lifespan_context(app):
+            transport = httpx2.ASGITransport(app=app)
+            async with httpx2.AsyncClient(transport=transport, base_url="http://testserver") as client:
+                yield client
+
+    return start
+
+
+# In CI (`scripts/test` sets METAAGENT_REQUIRE_DOCKER=1) a Docker test that skips is a failure: the
+# guarantees they prove must be proven on every run, not silently passed over.
+_skipped_docker_tests: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and "docker" in report.keywords and os.environ.get("METAAGENT_REQUIRE_DOCKER") == "1":
+        _skipped_docker_tests.append(report.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _skipped_docker_tests:
+        print(f"\n{len(_skipped_docker_tests)} Docker test(s) were skipped, which CI does not allow:")
+        for nodeid in _skipped_docker_tests:
+            print(f"  {nodeid}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,137 @@
+"""The `metaagent` command as operators use it: real processes, real exit statuses, real stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx2
+import pytest
+
+METAAGENT = [sys.executable, "-m", "metaagent"]
+
+
+def clean_env(tmp_path: Path, **values: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("METAAGENT_", "ALLOW_HTTP_HOSTS"))}
+    env.update({"METAAGENT_AUDIT_LOG": str(tmp_path / "audit.jsonl"), "METAAGENT_SANDBOX_BUILD_ON_START": "false"})
+    env.update(values)
+    return env
+
+
+def run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*METAAGENT, *args], cwd=tmp_path, env=clean_env(tmp_path, **env), capture_output=True, text=True, timeout=60
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def serving(tmp_path: Path, **env: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    port = free_port()
+    process = subprocess.Popen(
+        [*METAAGENT, "serve", "--port", str(port)],
+        cwd=tmp_path,
+        env=clean_env(tmp_path, **env),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx2.get(f"{base}/health", timeout=1)
+                break
+            except httpx2.TransportError:
+                assert process.poll() is None, process.stderr.read() if process.stderr else ""
+                time.sleep(0.1)
+        yield base, process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+
+
+@pytest.mark.security
+def test_serve_refuses_a_malformed_allow_list_with_exit_2_naming_each_entry(tmp_path: Path) -> None:
+    result = run(tmp_path, "serve", ALLOW_HTTP_HOSTS='["https://api.openai.com", "ok.example.com", "api.*.x.com"]')
+    assert result.returncode == 2
+    assert "'https://api.openai.com': a scheme is not part of a host; write the host alone: api.openai.com" in (
+        result.stderr
+    )
+    assert "'api.*.x.com': a wildcard may only be the whole leftmost label" in result.stderr
+    assert "ok.example.com" not in result.stderr
+
+
+@pytest.mark.security
+def test_serve_with_an_empty_allow_list_warns_once_and_blocks_everything(tmp_path: Path) -> None:
+    with serving(tmp_path, ALLOW_HTTP_HOSTS="[]") as (base, process):
+        response = httpx2.post(f"{base}/tools/http", json={"url": "https://example.com", "method": "GET"})
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"] == "Blocked host: example.com"
+    assert stderr.count("every outbound request is blocked") == 1
+    assert "[SECURITY] Blocked HTTP request to disallowed host: example.com (GET https://example.com)\n" in stderr
+    assert process.returncode == 0
+
+
+def test_env_local_overrides_env_and_real_environment_overrides_both(tmp_path: Path) -> None:
+    (tmp_path / ".env").write_text("ALLOW_HTTP_HOSTS=a.example.com\nMETAAGENT_HTTP_MAX_REDIRECTS=3\n")
+    (tmp_path / ".env.local").write_text("ALLOW_HTTP_HOSTS=b.example.com\n")
+    assert "b.example.com" in run(tmp_path, "allowlist", "check").stdout
+    assert "c.example.com" in run(tmp_path, "allowlist", "check", ALLOW_HTTP_HOSTS="c.example.com").stdout
+
+
+def test_allowlist_check_prints_the_parsed_patterns(tmp_path: Path) -> None:
+    result = run(tmp_path, "allowlist", "check", ALLOW_HTTP_HOSTS="API.openai.com, *.example.com")
+    assert result.returncode == 0
+    assert "api.openai.com  [exact]" in result.stdout
+    assert "*.example.com  [wildcard (subdomains only)]" in result.stdout
+
+
+def test_allowlist_check_exits_2_on_malformed_config(tmp_path: Path) -> None:
+    result = run(tmp_path, "allowlist", "check", ALLOW_HTTP_HOSTS='["a.com",]')
+    assert result.returncode == 2
+    assert "not valid JSON" in result.stderr
+
+
+def test_allowlist_test_says_which_pattern_allowed_a_url(tmp_path: Path) -> None:
+    result = run(tmp_path, "allowlist", "test", "https://api.example.com/x", ALLOW_HTTP_HOSTS="*.example.com")
+    assert result.returncode == 0
+    assert "allowed: host api.example.com matches wildcard *.example.com" in result.stdout
+
+
+def test_allowlist_test_says_why_a_url_is_blocked(tmp_path: Path) -> None:
+    result = run(tmp_path, "allowlist", "test", "https://example.com/", ALLOW_HTTP_HOSTS="*.example.com")
+    assert result.returncode == 1
+    assert "blocked: host example.com: example.com matches no entry" in result.stderr
+
+
+def test_audit_verify_names_the_first_altered_record(tmp_path: Path) -> None:
+    from metaagent.audit import AuditLog
+
+    log = AuditLog(tmp_path / "audit.jsonl")
+    for n in range(3):
+        log.append("egress.blocked", host=f"h{n}.example.com")
+    assert run(tmp_path, "audit", "verify").returncode == 0
+    lines = (tmp_path / "audit.jsonl").read_text().splitlines()
+    lines[1] = lines[1].replace("h1.example.com", "h1.example.org")
+    (tmp_path / "audit.jsonl").write_text("\n".join(lines) + "\n")
+    result = run(tmp_path, "audit", "verify")
+    assert result.returncode == 1
+    assert "line 2 (seq 2): content does not match its hash" in result.stderr
+    assert json.loads(lines[0])["seq"] == 1
