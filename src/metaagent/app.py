@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metaagent import __version__
@@ -18,6 +19,7 @@ from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard
 from metaagent.errors import AtCapacity, MetaAgentError
+from metaagent.services import Services
 from metaagent.settings import Settings
 from metaagent.tools import ToolSpec
 from metaagent.tools.http import HttpRequest, HttpResponse, HttpTool
@@ -29,18 +31,16 @@ EMPTY_ALLOWLIST_WARNING = (
     'Set it to a JSON array of hosts, e.g. ALLOW_HTTP_HOSTS=\'["api.openai.com", "*.example.com"]\''
 )
 
+
+async def _invoke_http(svc: Services, request: HttpRequest) -> HttpResponse:
+    return await svc.http(request)
+
+
 TOOLS: tuple[ToolSpec, ...] = (
-    ToolSpec("http", "/tools/http", HttpRequest, HttpResponse, "HTTP request to an allow-listed host"),
+    ToolSpec(
+        "http", "/tools/http", HttpRequest, HttpResponse, "Make an HTTP request to an allow-listed host", _invoke_http
+    ),
 )
-
-
-@dataclass
-class Services:
-    settings: Settings
-    allowlist: AllowList
-    audit: AuditLog
-    guard: EgressGuard
-    http: HttpTool
 
 
 def services(request: Request) -> Services:
@@ -77,15 +77,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     _install_error_handlers(app)
 
-    @app.post(
-        "/tools/http",
-        response_model=HttpResponse,
-        tags=["tools"],
-        summary="Make an HTTP request to an allow-listed host",
-        responses=_error_responses(400, 422, 502, 504),
-    )
-    async def http_tool(body: HttpRequest, request: Request) -> HttpResponse:
-        return await services(request).http(body)
+    for spec in TOOLS:
+        _add_tool_route(app, spec)
 
     @app.get("/health", tags=["service"], summary="Liveness and the state of each dependency")
     async def health(request: Request) -> dict[str, Any]:
@@ -101,6 +94,32 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"tools": [spec.function_schema() for spec in TOOLS]}
 
     return app
+
+
+def _add_tool_route(app: FastAPI, spec: ToolSpec) -> None:
+    """`POST <spec.path>`: the body is validated by the tool's request model, the answer is its response model."""
+
+    async def endpoint(body: BaseModel, request: Request) -> BaseModel:
+        return await spec.invoke(services(request), body)
+
+    # FastAPI reads the body's type from the signature; the model differs per tool, so it is set here.
+    endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # read by FastAPI
+        [
+            inspect.Parameter("body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=spec.request_model),
+            inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request),
+        ]
+    )
+    app.add_api_route(
+        spec.path,
+        endpoint,
+        methods=["POST"],
+        response_model=spec.response_model,
+        tags=["tools"],
+        summary=spec.summary,
+        description=spec.description,
+        operation_id=f"tool_{spec.name}",
+        responses=_error_responses(*spec.error_statuses),
+    )
 
 
 def _error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

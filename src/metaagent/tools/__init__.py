@@ -6,10 +6,14 @@ schema, the OpenAI function schema and the MCP input schema.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from metaagent.services import Services
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,8 @@ class ToolSpec:
     request_model: type[BaseModel]
     response_model: type[BaseModel]
     summary: str
+    invoke: Callable[[Services, Any], Awaitable[BaseModel]]
+    error_statuses: tuple[int, ...] = (400, 422, 502, 504)
 
     @property
     def description(self) -> str:

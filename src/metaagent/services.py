@@ -1,0 +1,23 @@
+"""The running service's parts, built once in the app's lifespan and shared by HTTP routes and MCP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from metaagent.audit import AuditLog
+from metaagent.egress.allowlist import AllowList
+from metaagent.egress.guard import EgressGuard
+from metaagent.settings import Settings
+from metaagent.tools.http import HttpTool
+
+
+@dataclass
+class Services:
+    settings: Settings
+    allowlist: AllowList
+    audit: AuditLog
+    guard: EgressGuard
+    http: HttpTool
+    # Parts added by later tools (code interpreter, search, embeddings) register themselves here by name.
+    extra: dict[str, Any] = field(default_factory=dict)
