@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -18,11 +20,18 @@ from metaagent import __version__
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard
-from metaagent.errors import AtCapacity, MetaAgentError
+from metaagent.errors import AtCapacity, MetaAgentError, describe_validation_errors
+from metaagent.executions import ExecutionInfo, ExecutionList, ExecutionRegistry, KillResult
+from metaagent.mcp_server import build_server, mount_mcp
+from metaagent.sandbox.engine import Engine, EngineUnavailable
+from metaagent.sandbox.provision import SandboxImage
 from metaagent.services import Services
 from metaagent.settings import Settings
 from metaagent.tools import ToolSpec
+from metaagent.tools.code_interpreter import CodeInterpreter, CodeInterpreterRequest, CodeInterpreterResponse
+from metaagent.tools.embeddings import EMBEDDINGS, EmbeddingsTool
 from metaagent.tools.http import HttpRequest, HttpResponse, HttpTool
+from metaagent.tools.search import SEARCH, SearchTool
 
 log = logging.getLogger("metaagent")
 
@@ -36,10 +45,25 @@ async def _invoke_http(svc: Services, request: HttpRequest) -> HttpResponse:
     return await svc.http(request)
 
 
+async def _invoke_code_interpreter(svc: Services, request: CodeInterpreterRequest) -> CodeInterpreterResponse:
+    return await svc.interpreter(request)
+
+
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "http", "/tools/http", HttpRequest, HttpResponse, "Make an HTTP request to an allow-listed host", _invoke_http
     ),
+    ToolSpec(
+        "code_interpreter",
+        "/tools/code-interpreter",
+        CodeInterpreterRequest,
+        CodeInterpreterResponse,
+        "Run JavaScript in a fresh, isolated container",
+        _invoke_code_interpreter,
+        error_statuses=(400, 422, 429, 503),
+    ),
+    SEARCH,
+    EMBEDDINGS,
 )
 
 
@@ -63,11 +87,35 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_response_bytes=settings.http_max_response_bytes,
             max_redirects=settings.http_max_redirects,
         )
-        app.state.services = Services(settings, allowlist, audit, guard, http)
-        try:
-            yield
-        finally:
-            await http.aclose()
+        engine = Engine()
+        image = SandboxImage(engine, tag=settings.sandbox_image, cache_dir=settings.sandbox_cache_dir)
+        executions = ExecutionRegistry()
+        interpreter = CodeInterpreter(
+            engine,
+            image,
+            executions,
+            audit,
+            capacity=settings.effective_concurrency(os.cpu_count() or 1),
+            queue_size=settings.execution_queue_size,
+            cpus=settings.sandbox_cpus,
+            grace_s=settings.kill_grace_s,
+        )
+        app.state.services = Services(settings, allowlist, audit, guard, http, engine, image, executions, interpreter)
+        search, embeddings = SearchTool(guard, settings), EmbeddingsTool(guard, settings)
+        app.state.services.extra.update(search=search, embeddings=embeddings)
+        async with anyio.create_task_group() as background:
+            background.start_soon(_prepare_sandbox, engine, image, settings.sandbox_build_on_start)
+            try:
+                async with mcp_sessions.run():
+                    yield
+            finally:
+                await _stop_executions(interpreter, executions)
+                await http.aclose()
+                await search.aclose()
+                await embeddings.aclose()
+                engine.close()
+                # Last: cancelling this task group's scope also cancels every await above in this task.
+                background.cancel_scope.cancel()
 
     app = FastAPI(
         title="MetaAgent tools",
@@ -79,12 +127,49 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     for spec in TOOLS:
         _add_tool_route(app, spec)
+    app.state.mcp_server = build_server(TOOLS, lambda: app.state.services)
+    mcp_sessions = mount_mcp(app, app.state.mcp_server, settings.mcp_allowed_hosts)
+
+    @app.get("/executions", tags=["executions"], summary="Every execution still running")
+    async def list_executions(request: Request) -> ExecutionList:
+        return ExecutionList(executions=[e.info() for e in services(request).executions.all()])
+
+    @app.get(
+        "/executions/{execution_id}",
+        tags=["executions"],
+        summary="One running execution",
+        responses=_error_responses(404),
+    )
+    async def get_execution(execution_id: str, request: Request) -> ExecutionInfo:
+        return services(request).executions.get(execution_id).info()
+
+    @app.delete(
+        "/executions/{execution_id}",
+        tags=["executions"],
+        summary="Kill a running execution now",
+        responses=_error_responses(404),
+    )
+    async def kill_execution(execution_id: str, request: Request) -> KillResult:
+        return services(request).executions.kill(execution_id)
 
     @app.get("/health", tags=["service"], summary="Liveness and the state of each dependency")
     async def health(request: Request) -> dict[str, Any]:
         svc = services(request)
         checks: dict[str, Any] = {
             "egress_allowlist": {"ok": True, "patterns": len(svc.allowlist)},
+            "container_engine": await _engine_check(svc.engine),
+            "sandbox_image": {
+                "ok": svc.image.image_id is not None,
+                "tag": svc.image.tag,
+                "building": svc.image.building,
+                **({"error": svc.image.error} if svc.image.error else {}),
+            },
+            "executions": {
+                "ok": True,
+                "running": svc.interpreter.admission.running,
+                "queued": svc.interpreter.admission.waiting,
+                "capacity": svc.interpreter.admission.capacity,
+            },
         }
         status = "ok" if all(c["ok"] for c in checks.values()) else "degraded"
         return {"status": status, "version": __version__, "checks": checks}
@@ -94,6 +179,35 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"tools": [spec.function_schema() for spec in TOOLS]}
 
     return app
+
+
+async def _prepare_sandbox(engine: Engine, image: SandboxImage, build: bool) -> None:
+    try:
+        removed = await engine.remove_orphans()
+    except EngineUnavailable as exc:
+        log.warning("%s", exc.message)
+        return
+    if removed:
+        log.warning("removed %d container(s) left by a service that stopped without cleaning up", removed)
+    await image.refresh(build=build)
+
+
+async def _stop_executions(interpreter: CodeInterpreter, executions: ExecutionRegistry) -> None:
+    """Stops new work, kills every running execution and waits (bounded) for their containers to go."""
+    interpreter.closing = True
+    executions.kill_all()
+    with anyio.move_on_after(30):
+        await executions.wait_empty()
+
+
+async def _engine_check(engine: Engine) -> dict[str, Any]:
+    try:
+        with anyio.fail_after(3):
+            await engine.ping()
+    except (EngineUnavailable, TimeoutError) as exc:
+        message = exc.message if isinstance(exc, EngineUnavailable) else "the container engine did not answer in 3 s"
+        return {"ok": False, "error": message}
+    return {"ok": True}
 
 
 def _add_tool_route(app: FastAPI, spec: ToolSpec) -> None:
@@ -137,12 +251,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        details = [
-            {"field": ".".join(str(p) for p in e["loc"] if p != "body") or "body", "message": e["msg"]}
-            for e in exc.errors()
-        ]
-        summary = "; ".join(f"{d['field']}: {d['message']}" for d in details[:5])
-        return JSONResponse({"error": f"Invalid request: {summary}", "details": details}, status_code=422)
+        message, details = describe_validation_errors(exc.errors())
+        return JSONResponse({"error": message, "details": details}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -17,8 +17,10 @@ from metaagent.settings import Settings
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="MetaAgent tools service.")
 allowlist_app = typer.Typer(no_args_is_help=True, help="Inspect and test the egress allow-list.")
 audit_app = typer.Typer(no_args_is_help=True, help="Work with the audit log.")
+sandbox_app = typer.Typer(no_args_is_help=True, help="The sandbox image.")
 app.add_typer(allowlist_app, name="allowlist")
 app.add_typer(audit_app, name="audit")
+app.add_typer(sandbox_app, name="sandbox")
 
 CONFIG_ERROR = 2
 
@@ -56,6 +58,95 @@ def serve(
         raise _fail(f"metaagent: refusing to start: {exc}") from None
     config = uvicorn.Config(application, host=host, port=port, log_config=None, timeout_graceful_shutdown=15)
     GracefulServer(config).run()
+
+
+@app.command()
+def run(
+    file: Annotated[Path, typer.Argument(help="JavaScript file to run (CommonJS).", exists=True, dir_okay=False)],
+    timeout: Annotated[int, typer.Option(min=1, max=300, help="Timeout in seconds.")] = 8,
+    memory: Annotated[int, typer.Option(min=64, max=1024, help="Memory limit in MiB.")] = 256,
+) -> None:
+    """Run a file in a fresh sandbox container, exactly as the code interpreter does; exit with its status."""
+    import anyio
+
+    from metaagent.audit import AuditLog
+    from metaagent.errors import MetaAgentError
+    from metaagent.executions import ExecutionRegistry
+    from metaagent.sandbox.engine import Engine
+    from metaagent.sandbox.provision import SandboxImage
+    from metaagent.tools.code_interpreter import CodeInterpreter, CodeInterpreterRequest
+
+    settings = Settings()
+    stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
+    request = CodeInterpreterRequest(code=file.read_text(), timeout_s=timeout, memory_mb=memory, stdin=stdin)
+
+    async def execute() -> int:
+        engine = Engine()
+        image = SandboxImage(engine, tag=settings.sandbox_image, cache_dir=settings.sandbox_cache_dir)
+        await image.refresh(build=settings.sandbox_build_on_start)
+        interpreter = CodeInterpreter(
+            engine,
+            image,
+            ExecutionRegistry(),
+            AuditLog(settings.audit_log),
+            capacity=1,
+            queue_size=0,
+            cpus=settings.sandbox_cpus,
+            grace_s=settings.kill_grace_s,
+        )
+        try:
+            result = await interpreter(request, caller="cli")
+        finally:
+            engine.close()
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+        if result.timed_out:
+            print(f"metaagent: timed out after {timeout} s", file=sys.stderr)
+        if result.oom_killed:
+            print(f"metaagent: killed at the memory limit ({memory} MiB)", file=sys.stderr)
+        return result.exit_code if result.exit_code is not None else 1
+
+    try:
+        code = anyio.run(execute)
+    except MetaAgentError as exc:
+        raise _fail(f"metaagent: {exc.message}", 1) from None
+    raise typer.Exit(code)
+
+
+@sandbox_app.command("build")
+def sandbox_build() -> None:
+    """Build the sandbox image offline from Debian packages (cached; about a minute the first time)."""
+    import docker
+
+    from metaagent.sandbox.image import ImageBuildError, build_image
+
+    settings = Settings()
+    try:
+        client = docker.from_env()
+        image_id = build_image(client, cache_dir=settings.sandbox_cache_dir, progress=lambda line: print(line))
+    except ImageBuildError as exc:
+        raise _fail(f"error: {exc}", 1) from None
+    except docker.errors.DockerException as exc:
+        raise _fail(f"error: the container engine is unavailable ({exc}); run scripts/ensure-docker", 1) from None
+    print(image_id)
+
+
+@app.command("mcp")
+def mcp_stdio() -> None:
+    """Serve the tools over MCP on stdin/stdout (for MCP clients that start the server; logs go to stderr)."""
+    import anyio
+
+    from metaagent import logs
+    from metaagent.app import create_app
+    from metaagent.mcp_server import serve_stdio
+
+    settings = Settings()
+    logs.configure(settings.log_format)
+    try:
+        application = create_app(settings)
+    except ConfigError as exc:
+        raise _fail(f"metaagent: refusing to start: {exc}") from None
+    anyio.run(serve_stdio, application)
 
 
 @allowlist_app.command("check")

@@ -12,12 +12,15 @@
     │   └── UpstreamTimeout              504: an allowed upstream was too slow
     └── Unavailable                      503: something the service needs is missing (engine, key, image)
 
+    ServiceError (a MetaAgentError)      raised by `metaagent.Client`: the service answered an error status
+
 Messages say what happened and what to do; they never contain a secret. `extra` holds additional
 fields for the JSON body (`{"error": message, **extra}`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -87,3 +90,23 @@ class UpstreamTimeout(UpstreamError):
 
 class Unavailable(MetaAgentError):
     status_code = 503
+
+
+class ServiceError(MetaAgentError):
+    """Raised by `metaagent.Client`: the service answered `status_code` with `{"error": message, **extra}`."""
+
+    def __init__(self, status_code: int, message: str, **extra: Any) -> None:
+        super().__init__(message, **extra)
+        self.status_code = status_code
+
+    def __str__(self) -> str:
+        return f"{self.status_code}: {self.message}"
+
+
+def describe_validation_errors(errors: Iterable[Mapping[str, Any]]) -> tuple[str, list[dict[str, str]]]:
+    """The 422 message ("Invalid request: field: problem; ...") and one detail per field, from pydantic's errors."""
+    details = [
+        {"field": ".".join(str(p) for p in e["loc"] if p != "body") or "body", "message": str(e["msg"])} for e in errors
+    ]
+    summary = "; ".join(f"{d['field']}: {d['message']}" for d in details[:5])
+    return f"Invalid request: {summary}", details

@@ -8,7 +8,11 @@ from typing import Any
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard
+from metaagent.executions import ExecutionRegistry
+from metaagent.sandbox.engine import Engine
+from metaagent.sandbox.provision import SandboxImage
 from metaagent.settings import Settings
+from metaagent.tools.code_interpreter import CodeInterpreter
 from metaagent.tools.http import HttpTool
 
 
@@ -19,5 +23,9 @@ class Services:
     audit: AuditLog
     guard: EgressGuard
     http: HttpTool
+    engine: Engine
+    image: SandboxImage
+    executions: ExecutionRegistry
+    interpreter: CodeInterpreter
     # Parts added by later tools (code interpreter, search, embeddings) register themselves here by name.
     extra: dict[str, Any] = field(default_factory=dict)

@@ -47,6 +47,13 @@ class Settings(BaseSettings):
         default="https://api.openai.com/v1",
         validation_alias=AliasChoices("OPENAI_BASE_URL", "openai_base_url"),
     )
+    # Search and embeddings: each upstream attempt's deadline, and retries of 429/5xx answers.
+    upstream_timeout_s: float = Field(default=30.0, gt=0, le=300)
+    upstream_max_retries: int = Field(default=2, ge=0, le=10)
+    upstream_max_retry_wait_s: float = Field(default=10.0, ge=0, le=300)
+    # OpenAI takes at most 2048 inputs and 300k tokens per request; a token is at least one UTF-8 byte.
+    embeddings_batch_size: int = Field(default=2048, ge=1, le=2048)
+    embeddings_batch_max_bytes: int = Field(default=300_000, ge=1)
 
     # Code interpreter.
     sandbox_image: str | None = None
@@ -65,6 +72,8 @@ class Settings(BaseSettings):
     api_keys: Annotated[str, NoDecode] = ""
     log_format: str = Field(default="text", pattern="^(text|json)$")
     max_request_bytes: int = Field(default=2 * MIB, gt=0)
+    # Host headers accepted at /mcp besides localhost's (DNS-rebinding protection); `*` turns the check off.
+    mcp_allowed_hosts: Annotated[str, NoDecode] = ""
 
     def effective_concurrency(self, cpu_count: int) -> int:
         """Concurrent executions: as many containers as the CPUs hold at `sandbox_cpus` each."""

@@ -1,0 +1,199 @@
+"""Python clients of the service's HTTP API: `Client` (blocking) and `AsyncClient`.
+
+    from metaagent import Client
+
+    with Client("http://127.0.0.1:3102", api_key="...") as client:
+        client.http("https://api.example.com/x")["body"]
+        client.call_tool("search", {"q": "mcp"})  # any tool by its name, as an agent asks for it
+
+Every method returns the response's JSON body as it is documented in API.md (a dict). An error status
+raises `metaagent.errors.ServiceError`, with the status and the service's own message (`.message`)
+and extra fields (`.extra`, e.g. `host`). Network failures raise httpx2's `TransportError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+from urllib.parse import quote
+
+import httpx2
+
+from metaagent.errors import ServiceError
+
+DEFAULT_URL = "http://127.0.0.1:3102"
+# The longest tool call (a 300 s execution, or an HTTP request's 120 s) plus headroom.
+DEFAULT_TIMEOUT_S = 330.0
+
+SearchType = Literal["search", "news", "images"]
+Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class _Call:
+    method: str
+    path: str
+    body: dict[str, Any] | None = None
+
+
+def _fields(**values: Any) -> dict[str, Any]:
+    """The request body: the fields the caller gave, so that the service's defaults apply to the rest."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def tool_path(name: str) -> str:
+    """The HTTP route of a tool (`code_interpreter` is served at `/tools/code-interpreter`)."""
+    return f"/tools/{name.replace('_', '-')}"
+
+
+def _result(response: httpx2.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.is_success and isinstance(body, dict):
+        return body
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        extra = {k: v for k, v in body.items() if k != "error"}
+        raise ServiceError(response.status_code, body["error"], **extra)
+    text = response.text.strip()[:500] or response.reason_phrase
+    raise ServiceError(response.status_code, f"Unexpected answer from the service: {text}")
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class _Endpoints(Generic[Result]):
+    """Every endpoint of API.md, once; `_send` runs a call (blocking, or as an awaitable)."""
+
+    def _send(self, call: _Call) -> Result:
+        raise NotImplementedError
+
+    def http(
+        self,
+        url: str,
+        method: str | None = None,
+        *,
+        headers: dict[str, str] | None = None,
+        body: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Result:
+        """`POST /tools/http`: one request to an allow-listed host."""
+        fields = _fields(url=url, method=method, headers=headers, body=body, timeout_s=timeout_s)
+        return self._send(_Call("POST", "/tools/http", fields))
+
+    def code_interpreter(
+        self,
+        code: str,
+        *,
+        timeout_s: int | None = None,
+        memory_mb: int | None = None,
+        packages: list[str] | None = None,
+        stdin: str | None = None,
+        network: dict[str, Any] | None = None,
+    ) -> Result:
+        """`POST /tools/code-interpreter`: run JavaScript in a fresh container."""
+        fields = _fields(
+            code=code, timeout_s=timeout_s, memory_mb=memory_mb, packages=packages, stdin=stdin, network=network
+        )
+        return self._send(_Call("POST", "/tools/code-interpreter", fields))
+
+    def search(
+        self,
+        q: str,
+        *,
+        num: int | None = None,
+        gl: str | None = None,
+        hl: str | None = None,
+        type: SearchType | None = None,
+    ) -> Result:
+        """`POST /tools/search`: web search through Serper."""
+        return self._send(_Call("POST", "/tools/search", _fields(q=q, num=num, gl=gl, hl=hl, type=type)))
+
+    def embeddings(self, input: str | list[str], *, model: str | None = None, dimensions: int | None = None) -> Result:
+        """`POST /tools/embeddings`: embedding vectors, in input order."""
+        fields = _fields(input=input, model=model, dimensions=dimensions)
+        return self._send(_Call("POST", "/tools/embeddings", fields))
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> Result:
+        """Any tool by its name (`http`, `code_interpreter`, `search`, `embeddings`), e.g. from a model's tool call."""
+        return self._send(_Call("POST", tool_path(name), arguments))
+
+    def tools(self) -> Result:
+        """`GET /tools`: `{"tools": [...]}`, each in the OpenAI function-calling shape."""
+        return self._send(_Call("GET", "/tools"))
+
+    def health(self) -> Result:
+        """`GET /health`: `{"status": "ok" | "degraded", "checks": {...}}`."""
+        return self._send(_Call("GET", "/health"))
+
+    def executions(self) -> Result:
+        """`GET /executions`: `{"executions": [...]}`, every execution still running."""
+        return self._send(_Call("GET", "/executions"))
+
+    def execution(self, execution_id: str) -> Result:
+        """`GET /executions/{id}`: one running execution (ServiceError 404 when it is not running)."""
+        return self._send(_Call("GET", f"/executions/{quote(execution_id, safe='')}"))
+
+    def kill_execution(self, execution_id: str) -> Result:
+        """`DELETE /executions/{id}`: kill it now; `{"execution_id": ..., "killed": true}`."""
+        return self._send(_Call("DELETE", f"/executions/{quote(execution_id, safe='')}"))
+
+
+class Client(_Endpoints[dict[str, Any]]):
+    """The blocking client. Use it as a context manager, or call `close()`."""
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        transport: httpx2.BaseTransport | None = None,
+    ) -> None:
+        self._http = httpx2.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout_s, transport=transport)
+
+    def _send(self, call: _Call) -> dict[str, Any]:
+        return _result(self._http.request(call.method, call.path, json=call.body))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Endpoints[Awaitable[dict[str, Any]]]):
+    """The asyncio/trio client. Use it as an async context manager, or await `aclose()`."""
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        transport: httpx2.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._http = httpx2.AsyncClient(
+            base_url=base_url, headers=_headers(api_key), timeout=timeout_s, transport=transport
+        )
+
+    async def _request(self, call: _Call) -> dict[str, Any]:
+        return _result(await self._http.request(call.method, call.path, json=call.body))
+
+    def _send(self, call: _Call) -> Awaitable[dict[str, Any]]:
+        return self._request(call)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,101 @@
+"""The registry of executions still running: what `GET/DELETE /executions` show and stop."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Literal
+
+import anyio
+from pydantic import BaseModel
+
+from metaagent.errors import NotFound
+
+State = Literal["queued", "starting", "running", "stopping"]
+
+
+def new_execution_id() -> str:
+    return f"exe_{secrets.token_hex(12)}"
+
+
+class ExecutionInfo(BaseModel):
+    execution_id: str
+    container_id: str | None
+    started_at: datetime
+    timeout_s: int
+    memory_mb: int
+    state: State
+    caller: str | None = None
+
+
+class ExecutionList(BaseModel):
+    executions: list[ExecutionInfo]
+
+
+class KillResult(BaseModel):
+    execution_id: str
+    killed: bool
+
+
+@dataclass
+class Execution:
+    execution_id: str
+    timeout_s: int
+    memory_mb: int
+    caller: str | None = None
+    container_id: str | None = None
+    state: State = "queued"
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    kill_requested: anyio.Event = field(default_factory=anyio.Event)
+
+    def info(self) -> ExecutionInfo:
+        return ExecutionInfo(
+            execution_id=self.execution_id,
+            container_id=self.container_id,
+            started_at=self.started_at,
+            timeout_s=self.timeout_s,
+            memory_mb=self.memory_mb,
+            state=self.state,
+            caller=self.caller,
+        )
+
+
+class ExecutionRegistry:
+    def __init__(self) -> None:
+        self._running: dict[str, Execution] = {}
+        self._empty = anyio.Event()
+        self._empty.set()
+
+    def add(self, execution: Execution) -> None:
+        if not self._running:
+            self._empty = anyio.Event()
+        self._running[execution.execution_id] = execution
+
+    def discard(self, execution: Execution) -> None:
+        self._running.pop(execution.execution_id, None)
+        if not self._running:
+            self._empty.set()
+
+    async def wait_empty(self) -> None:
+        await self._empty.wait()
+
+    def get(self, execution_id: str) -> Execution:
+        try:
+            return self._running[execution_id]
+        except KeyError:
+            raise NotFound(f"No running execution {execution_id!r}; it may have finished already") from None
+
+    def all(self) -> list[Execution]:
+        return list(self._running.values())
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def kill(self, execution_id: str) -> KillResult:
+        self.get(execution_id).kill_requested.set()
+        return KillResult(execution_id=execution_id, killed=True)
+
+    def kill_all(self) -> None:
+        for execution in self.all():
+            execution.kill_requested.set()

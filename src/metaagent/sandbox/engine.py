@@ -1,0 +1,267 @@
+"""The container engine driver: the only module that talks to Docker.
+
+docker-py's calls block, so each runs in a worker thread; the attach stream is the exception: its socket
+is taken over and read with asyncio, so a running execution costs no thread while it prints.
+Every engine failure surfaces as `EngineUnavailable` (a 503 for callers) with the engine's own words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
+
+import anyio
+import docker
+import docker.errors
+import requests.exceptions
+from docker.types import LogConfig, Ulimit
+
+from metaagent.errors import Unavailable
+
+log = logging.getLogger("metaagent.engine")
+
+SERVICE_LABEL = "org.metaagent.service"
+EXECUTION_LABEL = "org.metaagent.execution"
+OWNER_PID_LABEL = "org.metaagent.owner-pid"
+SANDBOX_UID = "1001:1001"
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class EngineUnavailable(Unavailable):
+    pass
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """Everything that differs between two executions' containers."""
+
+    name: str
+    image: str
+    command: list[str]
+    memory_mb: int
+    cpus: float
+    labels: dict[str, str]
+    pids_limit: int = 32
+    nofile: int = 256
+    tmp_size_mb: int = 100
+    tmp_inodes: int = 16384
+
+
+@dataclass(frozen=True)
+class ContainerState:
+    exit_code: int | None
+    oom_killed: bool
+
+
+def _engine_errors(func: Callable[P, T]) -> Callable[P, T]:
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return func(*args, **kwargs)
+        except docker.errors.NotFound:
+            raise
+        except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
+            raise EngineUnavailable(
+                f"The container engine is unavailable ({_short(exc)}); start it with scripts/ensure-docker"
+            ) from exc
+
+    return wrapper
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text if len(text) < 300 else text[:300] + "..."
+
+
+class Engine:
+    """Blocking docker-py calls behind async methods. Construct in the lifespan, never at import time."""
+
+    def __init__(self, base_url: str | None = None) -> None:
+        self._base_url = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        self._client: docker.DockerClient | None = None
+
+    @_engine_errors
+    def _docker(self) -> docker.DockerClient:
+        if self._client is None:
+            # Version 1.41 (Docker 20.10) is what Debian ships and every later engine still speaks.
+            self._client = docker.DockerClient(base_url=self._base_url, version="1.41", timeout=60, max_pool_size=64)
+        return self._client
+
+    @property
+    def api(self) -> docker.APIClient:
+        return self._docker().api
+
+    async def _run(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        call = functools.partial(_engine_errors(func), *args, **kwargs)
+        return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+
+    @property
+    def client(self) -> docker.DockerClient:
+        return self._docker()
+
+    async def ping(self) -> None:
+        await self._run(lambda: self.api.ping())
+
+    async def image_id(self, tag: str) -> str | None:
+        def find() -> str | None:
+            try:
+                return str(self.api.inspect_image(tag)["Id"])  # type: ignore[no-untyped-call]  # untyped in stubs
+            except docker.errors.ImageNotFound:
+                return None
+
+        return await self._run(find)
+
+    async def create(self, spec: ContainerSpec) -> str:
+        def create() -> str:
+            host_config = self.api.create_host_config(
+                network_mode="none",
+                read_only=True,
+                # noexec: nothing written at run time can be executed; nr_inodes: an inode flood is an
+                # ENOSPC, not an OOM kill; tmpfs pages count against the memory limit.
+                tmpfs={
+                    "/tmp": f"rw,nosuid,nodev,noexec,size={spec.tmp_size_mb}m,nr_inodes={spec.tmp_inodes},mode=1777"
+                },
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                mem_limit=f"{spec.memory_mb}m",
+                memswap_limit=f"{spec.memory_mb}m",  # equal to the memory limit: no swap
+                nano_cpus=int(spec.cpus * 1e9),
+                pids_limit=spec.pids_limit,
+                ulimits=[Ulimit(name="nofile", soft=spec.nofile, hard=spec.nofile)],
+                ipc_mode="none",  # no /dev/shm: --read-only does not cover it
+                log_config=LogConfig(type=LogConfig.types.NONE),  # output is read from the stream, never stored
+            )
+            try:
+                container = self._create_container(spec, host_config)
+            except docker.errors.ImageNotFound:
+                raise EngineUnavailable(
+                    f"The sandbox image {spec.image} is missing; build it with `metaagent sandbox build`"
+                ) from None
+            return str(container["Id"])
+
+        return await self._run(create)
+
+    def _create_container(self, spec: ContainerSpec, host_config: dict[str, Any]) -> dict[str, Any]:
+        created: dict[str, Any] = self.api.create_container(
+            image=spec.image,
+            command=spec.command,
+            name=spec.name,
+            user=SANDBOX_UID,
+            working_dir="/tmp",
+            hostname="sandbox",
+            environment={},
+            labels=spec.labels,
+            stdin_open=True,  # with detach left false, docker-py also sets StdinOnce: EOF reaches node
+            tty=False,
+            network_disabled=True,
+            host_config=host_config,
+        )
+        return created
+
+    async def attach(self, container_id: str) -> socket.socket:
+        """The container's stdin/stdout/stderr as one non-blocking socket (attach before start)."""
+
+        def attach() -> socket.socket:
+            stream = self.api.attach_socket(
+                container_id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1, "logs": 0}
+            )
+            raw = getattr(stream, "_sock", stream)
+            if not isinstance(raw, socket.socket):
+                raise EngineUnavailable("The engine's attach stream is not a socket; use a local unix socket engine")
+            # Our own descriptor for the connection, so docker-py's wrappers can be closed at once and
+            # nothing else ever reads from or closes the stream under us.
+            sock = socket.socket(fileno=os.dup(raw.fileno()))
+            response = getattr(stream, "_response", None)
+            if response is not None:
+                response.close()
+            stream.close()
+            raw.close()
+            sock.setblocking(False)
+            return sock
+
+        return await self._run(attach)
+
+    async def start(self, container_id: str) -> None:
+        await self._run(self.api.start, container_id)
+
+    async def wait(self, container_id: str) -> int:
+        """Blocks (in a thread) until the container exits; returns its exit status."""
+        result = await self._run(self.api.wait, container_id, timeout=None)
+        return int(result.get("StatusCode", -1))
+
+    async def state(self, container_id: str) -> ContainerState:
+        info = await self._run(self.api.inspect_container, container_id)
+        state = info["State"]
+        running = state.get("Running", False)
+        return ContainerState(None if running else int(state.get("ExitCode", -1)), bool(state.get("OOMKilled")))
+
+    async def kill(self, container_id: str, signal: str) -> None:
+        def kill() -> None:
+            try:
+                self.api.kill(container_id, signal=signal)
+            except docker.errors.APIError as exc:
+                # 404: already removed; 409: not running any more. Either way the kill is done.
+                if exc.status_code not in (404, 409):
+                    raise
+
+        await self._run(kill)
+
+    async def remove(self, container_id: str) -> None:
+        def remove() -> None:
+            try:
+                self.api.remove_container(container_id, force=True, v=True)
+            except docker.errors.NotFound:
+                pass
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # 409: removal already in progress
+                    raise
+
+        await self._run(remove)
+
+    async def list_service_containers(self) -> list[dict[str, Any]]:
+        found = await self._run(self.api.containers, all=True, filters={"label": SERVICE_LABEL})
+        return list(found)
+
+    async def remove_orphans(self) -> int:
+        """Removes containers of service processes that no longer exist (a crash, a SIGKILL)."""
+        removed = 0
+        for container in await self.list_service_containers():
+            owner = container.get("Labels", {}).get(OWNER_PID_LABEL, "")
+            if owner.isdigit() and _process_alive(int(owner)):
+                continue
+            await self.remove(container["Id"])
+            removed += 1
+        return removed
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def sock_recv(sock: socket.socket, size: int) -> bytes:
+    return await asyncio.get_running_loop().sock_recv(sock, size)
+
+
+async def sock_sendall(sock: socket.socket, data: bytes) -> None:
+    await asyncio.get_running_loop().sock_sendall(sock, data)

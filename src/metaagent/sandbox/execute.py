@@ -1,0 +1,143 @@
+"""One execution in one fresh container: create, attach, start, hand over the code, watch the clock,
+read the capped output, classify how it ended, and remove the container on every path.
+
+The runner outside the process is what enforces time and output: SIGTERM at the deadline (dumb-init
+forwards it to node), SIGKILL `grace_s` later, and bytes counted on the stream itself, where no
+JavaScript can write around them.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass
+
+import anyio
+
+from metaagent.executions import Execution
+from metaagent.sandbox.engine import ContainerSpec, Engine, sock_recv, sock_sendall
+from metaagent.sandbox.output import CappedBuffer, Demultiplexer
+
+STDOUT_CAP = 50 * 1024
+STDERR_CAP = 25 * 1024
+# After SIGKILL the engine reports the exit within milliseconds; this only bounds a misbehaving engine.
+_EXIT_AFTER_KILL_S = 30.0
+_DRAIN_AFTER_EXIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    container_id: str
+    exit_code: int | None
+    stdout: CappedBuffer
+    stderr: CappedBuffer
+    timed_out: bool
+    oom_killed: bool
+    killed: bool
+    duration_ms: int
+
+
+def payload(code: str, stdin: str | None) -> bytes:
+    """The runner's stdin protocol: a JSON header line, the code, then the program's stdin."""
+    code_bytes = code.encode("utf-8")
+    stdin_bytes = (stdin or "").encode("utf-8")
+    header = json.dumps({"code_bytes": len(code_bytes), "stdin_bytes": len(stdin_bytes)}).encode() + b"\n"
+    return header + code_bytes + stdin_bytes
+
+
+async def _first(*events: anyio.Event) -> None:
+    """Returns as soon as any of the events is set."""
+    async with anyio.create_task_group() as group:
+
+        async def wait_for(event: anyio.Event) -> None:
+            await event.wait()
+            group.cancel_scope.cancel()
+
+        for event in events:
+            group.start_soon(wait_for, event)
+
+
+async def execute(
+    engine: Engine,
+    spec: ContainerSpec,
+    data: bytes,
+    execution: Execution,
+    *,
+    timeout_s: float,
+    grace_s: float,
+) -> Outcome:
+    execution.state = "starting"
+    container_id = await engine.create(spec)
+    execution.container_id = container_id
+    try:
+        return await _run(engine, container_id, data, execution, timeout_s=timeout_s, grace_s=grace_s)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await engine.remove(container_id)
+
+
+async def _run(
+    engine: Engine, container_id: str, data: bytes, execution: Execution, *, timeout_s: float, grace_s: float
+) -> Outcome:
+    output = Demultiplexer(STDOUT_CAP, STDERR_CAP)
+    exited, drained = anyio.Event(), anyio.Event()
+    status: list[int] = []
+    sock = await engine.attach(container_id)
+    try:
+        await engine.start(container_id)
+
+        async def watch_exit() -> None:
+            status.append(await engine.wait(container_id))
+            exited.set()
+
+        async def pump() -> None:
+            try:
+                while chunk := await sock_recv(sock, 65536):
+                    output.feed(chunk)
+            except OSError:
+                pass  # the engine closed the stream under us: the container is gone
+            finally:
+                drained.set()
+
+        timed_out = killed = False
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch_exit)
+            group.start_soon(pump)
+            await sock_sendall(sock, data)
+            sock.shutdown(socket.SHUT_WR)  # EOF on the container's stdin
+            started = time.monotonic()
+            execution.state = "running"
+            with anyio.move_on_after(timeout_s):
+                await _first(exited, execution.kill_requested)
+            if execution.kill_requested.is_set() and not exited.is_set():
+                killed = True
+                await engine.kill(container_id, "SIGKILL")
+            elif not exited.is_set():
+                timed_out = True
+                execution.state = "stopping"
+                await engine.kill(container_id, "SIGTERM")
+                with anyio.move_on_after(grace_s):
+                    await _first(exited, execution.kill_requested)
+                if not exited.is_set():
+                    await engine.kill(container_id, "SIGKILL")
+            with anyio.move_on_after(_EXIT_AFTER_KILL_S):
+                await exited.wait()
+            duration_ms = int((time.monotonic() - started) * 1000)
+            with anyio.move_on_after(_DRAIN_AFTER_EXIT_S):
+                await drained.wait()
+            group.cancel_scope.cancel()
+    finally:
+        sock.close()
+    state = await engine.state(container_id)
+    exit_code = status[0] if status else state.exit_code
+    return Outcome(
+        container_id=container_id,
+        exit_code=exit_code,
+        stdout=output.stdout,
+        stderr=output.stderr,
+        timed_out=timed_out,
+        oom_killed=state.oom_killed,
+        killed=killed,
+        duration_ms=duration_ms,
+    )

@@ -1,0 +1,88 @@
+"""Capped capture of a container's multiplexed output stream.
+
+Without a TTY the engine sends stdout and stderr on one stream in frames: one byte for the stream
+(1 = stdout, 2 = stderr), three zero bytes, a big-endian 32-bit length, then that many bytes. We keep at
+most `cap` bytes of each stream and count the rest, so the service's memory stays bounded whatever a
+program prints.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+STDOUT, STDERR = 1, 2
+_HEADER = struct.Struct(">BxxxI")
+
+
+@dataclass
+class CappedBuffer:
+    cap: int
+    kept: bytearray = field(default_factory=bytearray)
+    produced: int = 0
+
+    def add(self, data: bytes) -> None:
+        room = self.cap - len(self.kept)
+        if room > 0:
+            self.kept += data[:room]
+        self.produced += len(data)
+
+    @property
+    def truncated(self) -> bool:
+        return self.produced > self.cap
+
+    def text(self) -> str:
+        """The kept bytes as text, cut on a UTF-8 boundary, with a marker when bytes were dropped."""
+        data = bytes(self.kept)
+        if not self.truncated:
+            return data.decode("utf-8", errors="replace")
+        cut = utf8_boundary(data)
+        text = data[:cut].decode("utf-8", errors="replace")
+        return f"{text}\n[output truncated: {self.produced} bytes produced, the first {cut} shown]\n"
+
+
+def utf8_boundary(data: bytes) -> int:
+    """The length of `data` without a trailing, incomplete UTF-8 character."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # ASCII or the lead byte of a multi-byte character
+            need = 1 if byte < 0x80 else _char_length(byte)
+            return len(data) - back if need > back else len(data)
+    return len(data)
+
+
+def _char_length(lead: int) -> int:
+    if lead >= 0xF0:
+        return 4
+    if lead >= 0xE0:
+        return 3
+    return 2
+
+
+class Demultiplexer:
+    """Feeds raw stream bytes in; routes each frame's payload to the stdout or stderr buffer."""
+
+    def __init__(self, stdout_cap: int, stderr_cap: int) -> None:
+        self.stdout = CappedBuffer(stdout_cap)
+        self.stderr = CappedBuffer(stderr_cap)
+        self._pending = bytearray()
+        self._stream = 0
+        self._remaining = 0
+
+    def feed(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            if self._remaining == 0:
+                need = _HEADER.size - len(self._pending)
+                self._pending += view[:need]
+                view = view[need:]
+                if len(self._pending) < _HEADER.size:
+                    return
+                self._stream, self._remaining = _HEADER.unpack(self._pending)
+                self._pending.clear()
+                continue
+            chunk = view[: self._remaining]
+            view = view[len(chunk) :]
+            self._remaining -= len(chunk)
+            target = self.stderr if self._stream == STDERR else self.stdout
+            target.add(bytes(chunk))

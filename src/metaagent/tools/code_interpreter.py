@@ -1,0 +1,249 @@
+"""The code interpreter tool: untrusted JavaScript, one fresh locked-down container per execution."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field
+
+from metaagent.audit import AuditLog
+from metaagent.errors import AtCapacity, MetaAgentError, RequestRefused, Unavailable
+from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
+from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine
+from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, payload
+from metaagent.sandbox.provision import SandboxImage
+
+log = logging.getLogger("metaagent.code_interpreter")
+
+MAX_CODE_BYTES = 1024 * 1024
+RUNNER = "/opt/metaagent/runner.js"
+
+
+class NetworkPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    allow: list[str] = Field(
+        min_length=1, max_length=32, description="Hosts the code may reach; each must be allowed by ALLOW_HTTP_HOSTS."
+    )
+
+
+class CodeInterpreterRequest(BaseModel):
+    """Run JavaScript (a CommonJS script on Node.js 18) in a fresh, isolated container and return its output.
+
+    The container has no network, a read-only file system except a 100 MB /tmp, no privileges, and
+    limits on memory, CPU, processes and open files. Core modules that reach the file system, other
+    programs or the network (fs, child_process, net, ...) are blocked. Print results with console.log.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    code: str = Field(min_length=1, max_length=MAX_CODE_BYTES, description="JavaScript source (CommonJS).")
+    timeout_s: int = Field(default=8, ge=1, le=300, description="Wall-clock limit in seconds.")
+    memory_mb: int = Field(default=256, ge=64, le=1024, description="Memory limit in MiB (no swap).")
+    packages: list[str] = Field(
+        default_factory=list, max_length=16, description="npm packages from the package allow-list."
+    )
+    stdin: str | None = Field(default=None, max_length=MAX_CODE_BYTES, description="Standard input for the program.")
+    network: NetworkPolicy | None = Field(default=None, description="Egress for the code; null means no network.")
+
+
+class CodeInterpreterResponse(BaseModel):
+    execution_id: str
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+    oom_killed: bool
+    duration_ms: int
+    killed: bool = Field(default=False, description="Stopped by DELETE /executions/{id}.")
+    queued_ms: int = Field(default=0, description="Time spent waiting for a free slot (not counted in timeout_s).")
+
+
+class Admission:
+    """At most `capacity` executions at once and `queue_size` waiting; past that, 429 at once."""
+
+    def __init__(self, capacity: int, queue_size: int) -> None:
+        self.capacity = capacity
+        self.queue_size = queue_size
+        self._slots = anyio.Semaphore(capacity)
+        self.waiting = 0
+
+    @property
+    def running(self) -> int:
+        return self.capacity - self._slots.value
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[float]:
+        if self._slots.value == 0 and self.waiting >= self.queue_size:
+            raise AtCapacity(
+                f"At capacity: {self.capacity} executions running and {self.waiting} queued; retry shortly",
+                retry_after_s=2,
+            )
+        self.waiting += 1
+        queued_at = time.monotonic()
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            yield time.monotonic() - queued_at
+        finally:
+            self._slots.release()
+
+
+SECURITY_CONTEXT: dict[str, Any] = {
+    "user": "1001:1001",
+    "capabilities": [],
+    "no_new_privileges": True,
+    "read_only_root": True,
+    "network_mode": "none",
+    "ipc_mode": "none",
+    "pids_limit": 32,
+    "nofile": 256,
+    "tmpfs": "/tmp 100m noexec",
+}
+
+
+def container_spec(
+    execution_id: str, image: str, memory_mb: int, cpus: float, command: list[str] | None = None
+) -> ContainerSpec:
+    """The container of one execution. `command` replaces the runner only in the tests of the container layer."""
+    # Node's heap limit below the container's, so that a hog usually ends with a JavaScript heap
+    # error the program's author can read, rather than a silent OOM kill.
+    heap_mb = max(32, memory_mb * 3 // 4)
+    node = ["/usr/bin/node", f"--max-old-space-size={heap_mb}", RUNNER]
+    return ContainerSpec(
+        name=f"metaagent-{execution_id}",
+        image=image,
+        command=["/usr/bin/dumb-init", "--", *(command or node)],
+        memory_mb=memory_mb,
+        cpus=cpus,
+        labels={SERVICE_LABEL: "metaagent", EXECUTION_LABEL: execution_id, OWNER_PID_LABEL: str(os.getpid())},
+    )
+
+
+class CodeInterpreter:
+    def __init__(
+        self,
+        engine: Engine,
+        image: SandboxImage,
+        registry: ExecutionRegistry,
+        audit: AuditLog,
+        *,
+        capacity: int,
+        queue_size: int,
+        cpus: float,
+        grace_s: float,
+    ) -> None:
+        self.engine = engine
+        self.image = image
+        self.registry = registry
+        self.audit = audit
+        self.admission = Admission(capacity, queue_size)
+        self.cpus = cpus
+        self.grace_s = grace_s
+        self.closing = False
+
+    async def __call__(self, request: CodeInterpreterRequest, caller: str | None = None) -> CodeInterpreterResponse:
+        if self.closing:
+            raise Unavailable("The service is shutting down; retry on another instance")
+        if request.packages:
+            raise RequestRefused(
+                f"Package not allowed: {request.packages[0]} (the npm package allow-list is empty)",
+                package=request.packages[0],
+            )
+        if request.network is not None:
+            raise RequestRefused("Network access for sandboxed code is not enabled on this service; remove `network`")
+        image_ref = await self.image.require()
+        execution = Execution(new_execution_id(), request.timeout_s, request.memory_mb, caller=caller)
+        self.registry.add(execution)
+        started_at = datetime.now(UTC)
+        outcome: Outcome | None = None
+        error: str | None = None
+        try:
+            async with self.admission.slot() as queued_s:
+                outcome = await execute(
+                    self.engine,
+                    container_spec(execution.execution_id, image_ref, request.memory_mb, self.cpus),
+                    payload(request.code, request.stdin),
+                    execution,
+                    timeout_s=request.timeout_s,
+                    grace_s=self.grace_s,
+                )
+        except MetaAgentError as exc:
+            error = exc.message
+            raise
+        finally:
+            self.registry.discard(execution)
+            self._audit(request, execution, image_ref, started_at, outcome, error)
+        return CodeInterpreterResponse(
+            execution_id=execution.execution_id,
+            exit_code=outcome.exit_code,
+            stdout=outcome.stdout.text(),
+            stderr=outcome.stderr.text(),
+            stdout_truncated=outcome.stdout.truncated,
+            stderr_truncated=outcome.stderr.truncated,
+            timed_out=outcome.timed_out,
+            oom_killed=outcome.oom_killed,
+            duration_ms=outcome.duration_ms,
+            killed=outcome.killed,
+            queued_ms=int(queued_s * 1000),
+        )
+
+    def _audit(
+        self,
+        request: CodeInterpreterRequest,
+        execution: Execution,
+        image: str,
+        started_at: datetime,
+        outcome: Outcome | None,
+        error: str | None,
+    ) -> None:
+        code = request.code.encode()
+        result: dict[str, Any]
+        if outcome is not None:
+            result = {
+                "status": "completed",
+                "exit_code": outcome.exit_code,
+                "timed_out": outcome.timed_out,
+                "oom_killed": outcome.oom_killed,
+                "killed": outcome.killed,
+                "duration_ms": outcome.duration_ms,
+                "stdout_bytes": outcome.stdout.produced,
+                "stderr_bytes": outcome.stderr.produced,
+            }
+        else:
+            result = {"status": "error", "error": error or "cancelled"}
+        self.audit.append(
+            "execution.finished",
+            execution_id=execution.execution_id,
+            caller=execution.caller,
+            started_at=started_at.isoformat(timespec="milliseconds"),
+            finished_at=datetime.now(UTC).isoformat(timespec="milliseconds"),
+            code_sha256=hashlib.sha256(code).hexdigest(),
+            code_bytes=len(code),
+            stdin_bytes=len((request.stdin or "").encode()),
+            limits={
+                "timeout_s": request.timeout_s,
+                "memory_mb": request.memory_mb,
+                "cpus": self.cpus,
+                "stdout_cap": STDOUT_CAP,
+                "stderr_cap": STDERR_CAP,
+            },
+            packages=request.packages,
+            network=request.network.model_dump() if request.network else None,
+            container_id=execution.container_id,
+            image=image,
+            security=SECURITY_CONTEXT,
+            outcome=result,
+        )

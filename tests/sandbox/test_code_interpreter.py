@@ -1,0 +1,284 @@
+"""`POST /tools/code-interpreter` end to end: the real service, the real engine, a fresh container each."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.sandbox.conftest import HOST_SECRET, Result, RunJs, Service
+
+pytestmark = pytest.mark.docker
+
+BENIGN = {
+    "json": ("console.log(JSON.stringify({a: [1, 2, {b: null}]}))", '{"a":[1,2,{"b":null}]}\n'),
+    "promises": ("Promise.all([1, Promise.resolve(2)]).then((v) => console.log(v.join('+')))", "1+2\n"),
+    "async_await": (
+        "const wait = (ms) => new Promise((r) => setTimeout(r, ms));"
+        "(async () => { await wait(10); console.log('awaited'); })()",
+        "awaited\n",
+    ),
+    "timers": (
+        "setTimeout(() => console.log('b'), 20); setImmediate(() => console.log('a'));"
+        "const i = setInterval(() => { console.log('c'); clearInterval(i); }, 40)",
+        "a\nb\nc\n",
+    ),
+    "buffer": ("console.log(Buffer.from('héllo').toString('base64'))", "aMOpbGxv\n"),
+    "crypto": (
+        "console.log(require('crypto').createHash('sha256').update('abc').digest('hex'))",
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad\n",
+    ),
+    "url": (
+        "const u = new URL('https://a.example/p?q=1#f'); console.log(u.host, u.searchParams.get('q'))",
+        "a.example 1\n",
+    ),
+    "text_encoder": (
+        "console.log(new TextEncoder().encode('€').length, new TextDecoder().decode(new Uint8Array([226, 130, 172])))",
+        "3 €\n",
+    ),
+    "unicode_output": ("console.log('日本語 🚀 Ωmega')", "日本語 🚀 Ωmega\n"),
+    "user_info": ("const u = require('os').userInfo(); console.log(u.username, u.uid)", "sandbox 1001\n"),
+    "intl": ("console.log(new Intl.NumberFormat('de-DE').format(1234567.891))", "1.234.567,891\n"),
+    "class_and_generators": (
+        "class A { *g() { yield 1; yield 2; } } console.log([...new A().g()].length)",
+        "2\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BENIGN))
+def test_benign_program_works(run_js: RunJs, name: str) -> None:
+    code, expected = BENIGN[name]
+    result = run_js(code)
+    assert result.status == 200, result.body
+    assert result.stdout == expected, result.stderr
+    assert result.exit_code == 0
+    assert result.body["timed_out"] is False
+
+
+def test_stdin_reaches_the_program(run_js: RunJs) -> None:
+    code = """
+    const lines = [];
+    require('readline').createInterface({input: process.stdin})
+      .on('line', (l) => lines.push(l.toUpperCase()))
+      .on('close', () => console.log(lines.join(',')));
+    """
+    assert run_js(code, stdin="one\ntwo\nthree\n").stdout == "ONE,TWO,THREE\n"
+
+
+def test_thrown_error_is_a_200_with_nonzero_exit_and_the_stack(run_js: RunJs) -> None:
+    result = run_js("function f() { throw new TypeError('boom') }\nf()")
+    assert result.status == 200
+    assert result.exit_code == 1
+    assert "TypeError: boom" in result.stderr
+    assert "/app/main.js:1" in result.stderr
+
+
+def test_process_exit_code_is_reported(run_js: RunJs) -> None:
+    assert run_js("console.log('bye'); process.exit(7)").exit_code == 7
+
+
+@pytest.mark.security
+def test_endless_loop_is_stopped_by_sigterm_at_the_timeout(
+    run_js: RunJs, containers_of: Callable[[str], list[str]]
+) -> None:
+    result = run_js("for (;;) {}", timeout_s=1)
+    assert result.timed_out
+    assert result.exit_code == 143  # SIGTERM, forwarded by dumb-init: the grace period was not needed
+    assert result.body["duration_ms"] >= 1000
+    assert containers_of(result.body["execution_id"]) == []
+
+
+@pytest.mark.security
+def test_program_ignoring_sigterm_is_killed_after_the_grace_period(run_js: RunJs) -> None:
+    result = run_js("process.on('SIGTERM', () => console.log('ignoring')); for (;;) {}", timeout_s=1)
+    assert result.timed_out
+    assert result.exit_code == 137  # SIGKILL
+    assert result.body["duration_ms"] >= 6000  # timeout_s + the 5 s grace period
+
+
+@pytest.mark.security
+def test_event_loop_starvation_cannot_dodge_the_timeout(run_js: RunJs) -> None:
+    result = run_js("const spin = () => Promise.resolve().then(spin); spin()", timeout_s=1)
+    assert result.timed_out
+
+
+@pytest.mark.security
+def test_allocation_heavy_program_fails_with_a_heap_error_or_oom(run_js: RunJs) -> None:
+    result = run_js("const keep = []; for (;;) keep.push(new Array(1e6).fill(Math.random()))", memory_mb=64)
+    assert result.status == 200
+    assert result.exit_code != 0
+    assert result.body["oom_killed"] or "heap out of memory" in result.stderr
+
+
+@pytest.mark.security
+def test_memory_hog_outside_the_heap_is_oom_killed(run_js: RunJs) -> None:
+    result = run_js("const keep = []; for (;;) keep.push(Buffer.alloc(8 << 20, 1))", memory_mb=64)
+    assert result.body["oom_killed"] is True
+    assert result.exit_code == 137
+
+
+def _rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+
+
+@pytest.mark.security
+def test_output_flood_is_truncated_with_a_marker_while_the_service_stays_small(
+    run_js: RunJs, sandbox_service: Service
+) -> None:
+    run_js("console.log('warm-up')")
+    before = _rss_kib(sandbox_service.pid)
+    # ~200 MB on stdout and stderr, written around any JavaScript wrapper by process._rawDebug too.
+    code = """
+    const line = 'x'.repeat(1 << 20);
+    for (let i = 0; i < 150; i++) process.stdout.write(line);
+    for (let i = 0; i < 50; i++) process._rawDebug(line);
+    """
+    result = run_js(code, timeout_s=30)
+    after = _rss_kib(sandbox_service.pid)
+    assert result.body["stdout_truncated"] is True
+    assert result.body["stderr_truncated"] is True
+    assert "[output truncated: 157286400 bytes produced, the first 51200 shown]" in result.stdout
+    assert len(result.stdout.encode()) < 52 * 1024
+    assert len(result.stderr.encode()) < 27 * 1024
+    assert after - before < 64 * 1024  # KiB: the flood was counted, not kept
+
+
+def test_truncation_never_splits_a_character(run_js: RunJs) -> None:
+    result = run_js("process.stdout.write('€'.repeat(40000))")  # 120,000 bytes of 3-byte characters
+    kept = result.stdout.split("\n[output truncated")[0]
+    assert set(kept) == {"€"}
+    assert "\ufffd" not in result.stdout
+
+
+@pytest.mark.security
+def test_environment_holds_no_host_secret(run_js: RunJs) -> None:
+    result = run_js("console.log(JSON.stringify(process.env))")
+    env = json.loads(result.stdout)
+    assert HOST_SECRET not in result.stdout
+    assert not {"OPENAI_API_KEY", "SERPER_API_KEY", "METAAGENT_TEST_SECRET"} & set(env)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"code": "1", "timeout_s": 0}, "timeout_s"),
+        ({"code": "1", "timeout_s": 301}, "timeout_s"),
+        ({"code": "1", "memory_mb": 2048}, "memory_mb"),
+        ({"code": "1", "memory_mb": 32}, "memory_mb"),
+        ({"code": ""}, "code"),
+        ({"code": "1", "unknown": True}, "unknown"),
+        ({"timeout_s": 5}, "code"),
+    ],
+)
+def test_invalid_fields_get_a_422_naming_the_field(
+    sandbox_service: Service, body: dict[str, object], field: str
+) -> None:
+    response = sandbox_service.post("/tools/code-interpreter", body)
+    assert response.status_code == 422
+    assert field in response.json()["error"]
+
+
+def test_every_execution_gets_a_fresh_container_that_is_removed(
+    run_js: RunJs, containers_of: Callable[[str], list[str]]
+) -> None:
+    first, second = run_js("console.log(require('os').hostname())"), run_js("console.log(1)")
+    assert first.body["execution_id"] != second.body["execution_id"]
+    assert containers_of(first.body["execution_id"]) == []
+    assert containers_of(second.body["execution_id"]) == []
+
+
+def _audit_records(service: Service) -> list[dict[str, object]]:
+    return [json.loads(line) for line in service.audit_log.read_text().splitlines()]
+
+
+def test_every_execution_writes_an_audit_record_with_its_security_context(
+    run_js: RunJs, sandbox_service: Service
+) -> None:
+    code = "console.log('audited')"
+    result = run_js(code)
+    record = next(r for r in _audit_records(sandbox_service) if r.get("execution_id") == result.body["execution_id"])
+    assert record["event"] == "execution.finished"
+    assert record["code_sha256"] == hashlib.sha256(code.encode()).hexdigest()
+    assert record["code_bytes"] == len(code)
+    assert code not in json.dumps(record)
+    assert record["security"] == {
+        "user": "1001:1001",
+        "capabilities": [],
+        "no_new_privileges": True,
+        "read_only_root": True,
+        "network_mode": "none",
+        "ipc_mode": "none",
+        "pids_limit": 32,
+        "nofile": 256,
+        "tmpfs": "/tmp 100m noexec",
+    }
+    assert record["outcome"]["exit_code"] == 0  # type: ignore[index]
+    assert re.fullmatch(r"[0-9a-f]{64}", str(record["container_id"]))
+    assert record["limits"] == {"timeout_s": 5, "memory_mb": 256, "cpus": 0.5, "stdout_cap": 51200, "stderr_cap": 25600}
+    assert record["prev_hash"] != record["hash"]
+    assert str(record["image"]).startswith("metaagent-sandbox:")
+
+
+def test_a_long_execution_is_listed_fetched_and_killed(sandbox_service: Service) -> None:
+    holder: dict[str, Result] = {}
+
+    def long_run() -> None:
+        response = sandbox_service.post(
+            "/tools/code-interpreter", {"code": "setInterval(() => {}, 1000)", "timeout_s": 60}
+        )
+        holder["result"] = Result(response.status_code, response.json())
+
+    thread = threading.Thread(target=long_run)
+    thread.start()
+    execution_id = None
+    for _ in range(200):
+        running = [e for e in sandbox_service.get("/executions").json()["executions"] if e["timeout_s"] == 60]
+        if running and running[0]["state"] == "running":
+            execution_id = running[0]["execution_id"]
+            break
+        time.sleep(0.05)
+    assert execution_id is not None
+    fetched = sandbox_service.get(f"/executions/{execution_id}").json()
+    assert fetched["memory_mb"] == 256
+    assert fetched["container_id"]
+    killed = sandbox_service_delete(sandbox_service, execution_id)
+    assert killed == {"execution_id": execution_id, "killed": True}
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    result = holder["result"]
+    assert result.body["killed"] is True
+    assert result.body["timed_out"] is False
+    assert sandbox_service.get(f"/executions/{execution_id}").status_code == 404
+
+
+def sandbox_service_delete(service: Service, execution_id: str) -> dict[str, object]:
+    import httpx2
+
+    response = httpx2.delete(f"{service.base_url}/executions/{execution_id}", timeout=30)
+    assert response.status_code == 200
+    body: dict[str, object] = response.json()
+    return body
+
+
+def test_unknown_execution_is_a_404(sandbox_service: Service) -> None:
+    import httpx2
+
+    assert sandbox_service.get("/executions/exe_nope").status_code == 404
+    response = httpx2.delete(f"{sandbox_service.base_url}/executions/exe_nope", timeout=30)
+    assert response.status_code == 404
+    assert "exe_nope" in response.json()["error"]
+
+
+def test_health_reports_the_engine_and_the_image(sandbox_service: Service) -> None:
+    health = sandbox_service.get("/health").json()
+    assert health["status"] == "ok"
+    assert health["checks"]["container_engine"]["ok"] is True
+    assert health["checks"]["sandbox_image"]["tag"].startswith("metaagent-sandbox:")

@@ -1,0 +1,238 @@
+"""The container is the boundary: hostile programs run with the production container settings but
+without the trusted runner (`node -e`), so each guarantee is proven by the container alone, not by the
+in-process module gate that would otherwise stop these programs earlier.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from metaagent.executions import Execution, new_execution_id
+from metaagent.sandbox.engine import Engine
+from metaagent.sandbox.execute import Outcome, execute
+from metaagent.sandbox.image import image_tag
+from metaagent.tools.code_interpreter import container_spec
+
+pytestmark = [pytest.mark.docker, pytest.mark.security]
+
+RunRaw = Callable[..., Outcome]
+
+
+@pytest.fixture
+def run_raw(sandbox_service: object) -> RunRaw:  # the service fixture guarantees the image is built
+    def run(code: str, *, memory_mb: int = 256, timeout_s: float = 10) -> Outcome:
+        async def go() -> Outcome:
+            engine = Engine()
+            execution = Execution(new_execution_id(), int(timeout_s), memory_mb)
+            spec = container_spec(execution.execution_id, image_tag(), memory_mb, 0.5, ["/usr/bin/node", "-e", code])
+            try:
+                return await execute(engine, spec, b"", execution, timeout_s=timeout_s, grace_s=2)
+            finally:
+                engine.close()
+
+        runner: Callable[[], Coroutine[Any, Any, Outcome]] = go
+        return anyio.run(runner)
+
+    return run
+
+
+def report(outcome: Outcome) -> dict[str, Any]:
+    assert outcome.exit_code == 0, outcome.stderr.text()
+    result: dict[str, Any] = json.loads(outcome.stdout.text())
+    return result
+
+
+def report_list(outcome: Outcome) -> list[dict[str, str]]:
+    assert outcome.exit_code == 0, outcome.stderr.text()
+    result: list[dict[str, str]] = json.loads(outcome.stdout.text())
+    return result
+
+
+def test_fork_bomb_is_contained_by_the_process_limit(run_raw: RunRaw) -> None:
+    outcome = run_raw(
+        """
+        const cp = require('child_process');
+        let started = 0, refused = 0;
+        for (let i = 0; i < 100; i++) {
+          const child = cp.spawn(process.execPath, ['-e', 'setTimeout(() => {}, 4000)']);
+          child.on('spawn', () => started++);
+          child.on('error', () => refused++);
+        }
+        setTimeout(() => { console.log(JSON.stringify({started, refused})); process.exit(0); }, 2500);
+        """
+    )
+    counts = report(outcome)
+    assert counts["refused"] > 0
+    assert counts["started"] < 32
+
+
+def test_no_shell_can_be_started(run_raw: RunRaw) -> None:
+    outcome = run_raw(
+        """
+        const cp = require('child_process');
+        const tryRun = (p) => cp.spawnSync(p, ['-c', 'echo hi']).error.code;
+        const codes = ['/bin/sh', '/bin/bash', '/usr/bin/env'].map(tryRun);
+        console.log(JSON.stringify({codes}));
+        """
+    )
+    assert report(outcome)["codes"] == ["ENOENT", "ENOENT", "ENOENT"]
+
+
+def test_memory_hog_is_killed_at_the_memory_limit(run_raw: RunRaw) -> None:
+    # Buffers live outside node's heap limit, so only the container's cgroup stops this one.
+    outcome = run_raw("const keep = []; for (;;) keep.push(Buffer.alloc(8 << 20, 1));", memory_mb=64)
+    assert outcome.oom_killed
+    assert outcome.exit_code == 137
+
+
+@pytest.mark.parametrize(
+    "path", ["/app/x", "/etc/passwd", "/opt/metaagent/runner.js", "/usr/bin/node", "/x", "/dev/shm/x"]
+)
+def test_writing_outside_tmp_fails(run_raw: RunRaw, path: str) -> None:
+    outcome = run_raw(
+        f"""
+        let result;
+        try {{ require('fs').writeFileSync({json.dumps(path)}, 'owned'); result = 'WROTE'; }}
+        catch (e) {{ result = e.code; }}
+        console.log(JSON.stringify({{result}}));
+        """
+    )
+    assert report(outcome)["result"] in ("EROFS", "ENOENT", "EACCES")
+
+
+def test_tmp_is_writable_but_not_executable(run_raw: RunRaw) -> None:
+    outcome = run_raw(
+        """
+        const fs = require('fs');
+        fs.writeFileSync('/tmp/x', '#!/usr/bin/node\\nconsole.log(1)', {mode: 0o755});
+        let exec;
+        try { require('child_process').execFileSync('/tmp/x'); exec = 'RAN'; } catch (e) { exec = e.code; }
+        console.log(JSON.stringify({read: fs.readFileSync('/tmp/x', 'utf8').length, exec}));
+        """
+    )
+    result = report(outcome)
+    assert result["read"] > 0
+    assert result["exec"] == "EACCES"
+
+
+def test_writing_past_100_mb_in_tmp_fails(run_raw: RunRaw) -> None:
+    outcome = run_raw(
+        """
+        const fs = require('fs');
+        const chunk = Buffer.alloc(1 << 20, 1);
+        let written = 0, error = null;
+        try { for (let i = 0; i < 200; i++) { fs.appendFileSync('/tmp/big', chunk); written++; } }
+        catch (e) { error = e.code; }
+        console.log(JSON.stringify({written, error}));
+        """,
+        memory_mb=512,
+    )
+    result = report(outcome)
+    assert result["error"] == "ENOSPC"
+    assert result["written"] <= 100
+
+
+def test_inode_flood_in_tmp_ends_in_enospc_not_an_oom_kill(run_raw: RunRaw) -> None:
+    outcome = run_raw(
+        """
+        const fs = require('fs');
+        let made = 0, error = null;
+        try { for (let i = 0; i < 100000; i++) { fs.writeFileSync('/tmp/f' + i, ''); made++; } }
+        catch (e) { error = e.code; }
+        console.log(JSON.stringify({made, error}));
+        """
+    )
+    result = report(outcome)
+    assert result["error"] == "ENOSPC"
+    assert not outcome.oom_killed
+
+
+def test_opening_300_files_fails(run_raw: RunRaw) -> None:
+    outcome = run_raw(
+        """
+        const fs = require('fs');
+        const fds = []; let error = null;
+        try { for (let i = 0; i < 300; i++) fds.push(fs.openSync('/opt/metaagent/runner.js', 'r')); }
+        catch (e) { error = e.code; }
+        console.log(JSON.stringify({opened: fds.length, error}));
+        """
+    )
+    result = report(outcome)
+    assert result["error"] == "EMFILE"
+    assert result["opened"] < 256
+
+
+def test_process_runs_as_uid_1001_without_capabilities(run_raw: RunRaw) -> None:
+    outcome = run_raw(
+        """
+        const status = require('fs').readFileSync('/proc/self/status', 'utf8');
+        const field = (name) => status.match(new RegExp('^' + name + ':\\\\s*(.*)$', 'm'))[1].trim();
+        console.log(JSON.stringify({
+          uid: process.getuid(), gid: process.getgid(), user: require('os').userInfo().username,
+          CapEff: field('CapEff'), CapPrm: field('CapPrm'), CapBnd: field('CapBnd'), NoNewPrivs: field('NoNewPrivs'),
+        }));
+        """
+    )
+    result = report(outcome)
+    assert (result["uid"], result["gid"], result["user"]) == (1001, 1001, "sandbox")
+    assert result["CapEff"] == result["CapPrm"] == result["CapBnd"] == "0000000000000000"
+    assert result["NoNewPrivs"] == "1"
+
+
+def test_only_loopback_exists_and_connections_fail(run_raw: RunRaw, upstream: str) -> None:
+    port = upstream.rsplit(":", 1)[1]
+    outcome = run_raw(
+        f"""
+        const net = require('net');
+        const interfaces = Object.keys(require('os').networkInterfaces());
+        const routes = require('fs').readFileSync('/proc/net/route', 'utf8').trim().split('\\n').length - 1;
+        const done = (connect) => {{ console.log(JSON.stringify({{interfaces, routes, connect}})); process.exit(0); }};
+        const socket = net.connect({port}, '127.0.0.1');
+        socket.on('connect', () => done('CONNECTED'));
+        socket.on('error', (e) => done(e.code));
+        """
+    )
+    result = report(outcome)
+    assert result["interfaces"] == ["lo"]
+    assert result["routes"] == 0
+    assert result["connect"] == "ECONNREFUSED"  # the container's own loopback, not the host's
+
+
+def test_no_mount_reveals_a_path_of_the_service_or_its_users(run_raw: RunRaw, tmp_path: Path) -> None:
+    outcome = run_raw(
+        """
+        const lines = require('fs').readFileSync('/proc/self/mountinfo', 'utf8').trim().split('\\n');
+        const mounts = lines.map((line) => { const f = line.split(' '); return {root: f[3], at: f[4]}; });
+        console.log(JSON.stringify(mounts));
+        """
+    )
+    mounts = report_list(outcome)
+    # A bind mount shows the host folder it came from as its root. The only ones are Docker's own
+    # /etc/hostname, /etc/hosts and /etc/resolv.conf (under the engine's data root) and the engine's
+    # masking of /proc and /sys paths; the code itself arrives on stdin, never through a mount.
+    docker_files = {"/etc/hostname", "/etc/hosts", "/etc/resolv.conf"}
+    for mount in mounts:
+        if mount["at"] in docker_files:
+            assert mount["root"].startswith("/var/lib/docker/containers/"), mount
+        elif mount["root"] != "/":
+            assert mount["at"].startswith(("/proc", "/sys", "/dev")), mount
+    text = outcome.stdout.text()
+    for host_path in ("/work", "/root", str(tmp_path), "/var/cache/metaagent"):
+        assert host_path not in text
+
+
+def test_kill_of_a_container_that_already_exited_is_harmless() -> None:
+    async def go() -> None:
+        engine = Engine()
+        try:
+            await engine.kill("metaagent-no-such-container", "SIGKILL")
+        finally:
+            engine.close()
+
+    anyio.run(go)

@@ -1,0 +1,307 @@
+"""The sandbox image and the trusted runner's stdin protocol, checked in real containers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import stat
+import struct
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import docker
+import docker.errors
+import pytest
+
+from metaagent.sandbox import image as sandbox_image
+from metaagent.sandbox.image import IMAGE_LABEL, RUNNER_PATH, build_image, image_present, image_tag
+
+pytestmark = pytest.mark.docker
+
+CACHE_DIR = Path("/var/cache/metaagent")
+COMMAND = ["/usr/bin/dumb-init", "--", "/usr/bin/node", "--max-old-space-size=128", RUNNER_PATH]
+RUN_TIMEOUT = 60
+
+
+@dataclass(frozen=True)
+class Run:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="session")
+def client() -> Iterator[docker.DockerClient]:
+    try:
+        engine = docker.from_env()
+        engine.ping()
+    except docker.errors.DockerException as exc:
+        pytest.skip(f"no Docker engine answers ({exc}): run scripts/ensure-docker")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def sandbox(client: docker.DockerClient) -> str:
+    build_image(client, cache_dir=CACHE_DIR)
+    return image_tag()
+
+
+@pytest.fixture(scope="session")
+def image_files(
+    client: docker.DockerClient, sandbox: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tarfile.TarInfo]:
+    """Every entry of the image's file system, from a created (never started) container's export."""
+    container = client.containers.create(sandbox, command=["/usr/bin/node", "-e", "0"], network_mode="none")
+    try:
+        exported = tmp_path_factory.mktemp("export") / "rootfs.tar"
+        with exported.open("wb") as out:
+            for chunk in container.export():
+                out.write(cast(bytes, chunk))  # the stubs say str; the engine sends bytes
+    finally:
+        container.remove(force=True)
+    with tarfile.open(exported) as tar:
+        return {member.name.lstrip("./").rstrip("/"): member for member in tar.getmembers()}
+
+
+def _demultiplex(raw: bytes) -> tuple[bytes, bytes]:
+    """Splits an attach stream without TTY: 8-byte headers (stream, 3 zero bytes, big-endian length)."""
+    streams = {1: bytearray(), 2: bytearray()}
+    offset = 0
+    while offset + 8 <= len(raw):
+        kind, length = struct.unpack(">BxxxL", raw[offset : offset + 8])
+        streams.setdefault(kind, bytearray()).extend(raw[offset + 8 : offset + 8 + length])
+        offset += 8 + length
+    assert offset == len(raw), "attach stream ended inside a frame"
+    return bytes(streams[1]), bytes(streams[2])
+
+
+def payload(code: str, stdin: bytes = b"") -> bytes:
+    body = code.encode()
+    header = json.dumps({"code_bytes": len(body), "stdin_bytes": len(stdin)}).encode()
+    return header + b"\n" + body + stdin
+
+
+def run_raw(client: docker.DockerClient, tag: str, data: bytes, *, close_stdin: bool = True) -> Run:
+    """Runs the runner with the hardened settings: create, attach, start, write, read, wait, remove."""
+    host_config = client.api.create_host_config(
+        network_mode="none",
+        read_only=True,
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges"],
+        tmpfs={"/tmp": "rw,nosuid,nodev,noexec,size=16m"},
+        mem_limit="256m",
+        pids_limit=64,
+        ipc_mode="none",
+    )
+    # docker-py derives StdinOnce from stdin_open (it has no stdin_once argument of its own).
+    created = client.api.create_container(
+        tag, command=COMMAND, user="1001:1001", stdin_open=True, tty=False, host_config=host_config
+    )
+    container_id = created["Id"]
+    attached = None
+    try:
+        attached = client.api.attach_socket(container_id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
+        sock: socket.socket = attached._sock
+        client.api.start(container_id)
+        sock.sendall(data)
+        if close_stdin:
+            sock.shutdown(socket.SHUT_WR)  # the container sees EOF on its stdin
+        sock.settimeout(RUN_TIMEOUT)
+        received = bytearray()
+        while chunk := sock.recv(65536):
+            received.extend(chunk)
+        status = client.api.wait(container_id, timeout=RUN_TIMEOUT)
+        stdout, stderr = _demultiplex(bytes(received))
+        return Run(int(status["StatusCode"]), stdout.decode(), stderr.decode())
+    finally:
+        if attached is not None:
+            attached._sock.close()
+            attached.close()
+        client.api.remove_container(container_id, force=True)
+
+
+def run_js(client: docker.DockerClient, tag: str, code: str, stdin: bytes = b"", **kwargs: bool) -> Run:
+    return run_raw(client, tag, payload(code, stdin), **kwargs)
+
+
+# --- the build ----------------------------------------------------------------------------------------
+
+
+def test_image_tag_names_repository_version_and_recipe_hash(sandbox: str) -> None:
+    repository, _, version_hash = sandbox.partition(":")
+    version, _, recipe = version_hash.rpartition("-")
+    assert repository == "metaagent-sandbox"
+    assert version == "0.1.0"
+    assert len(recipe) == 12
+    assert int(recipe, 16) >= 0
+
+
+def test_changing_the_runner_changes_the_tag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = image_tag()
+    runner_copy = tmp_path / "runner"
+    shutil.copytree(sandbox_image.RUNNER_DIR, runner_copy)
+    monkeypatch.setattr(sandbox_image, "RUNNER_DIR", runner_copy)
+    assert image_tag() == original
+    (runner_copy / "runner.js").write_text((runner_copy / "runner.js").read_text() + "\n// changed\n")
+    assert image_tag() != original
+
+
+def test_second_build_is_served_from_the_existing_image(client: docker.DockerClient, sandbox: str) -> None:
+    lines: list[str] = []
+    started = time.monotonic()
+    image_id = build_image(client, cache_dir=CACHE_DIR, progress=lines.append)
+    assert time.monotonic() - started < 5
+    assert image_id == client.images.get(sandbox).id
+    assert image_present(client)
+    assert lines == [f"{sandbox} is already built"]
+
+
+def test_image_is_labelled_and_runs_as_sandbox_user_by_default(client: docker.DockerClient, sandbox: str) -> None:
+    config = client.images.get(sandbox).attrs["Config"]
+    assert config["Labels"][IMAGE_LABEL] == "1"
+    assert config["User"] == "1001:1001"
+    assert config["WorkingDir"] == "/tmp"
+
+
+# --- the image's file system --------------------------------------------------------------------------
+
+
+def test_image_has_no_shell(image_files: dict[str, tarfile.TarInfo]) -> None:
+    for shell in ("bin/sh", "usr/bin/sh", "bin/bash", "usr/bin/bash", "bin/dash", "usr/bin/dash"):
+        assert shell not in image_files
+    assert "bin" not in image_files
+
+
+def test_image_has_only_node_and_dumb_init_as_programs(image_files: dict[str, tarfile.TarInfo]) -> None:
+    programs = {name for name in image_files if name.startswith(("usr/bin/", "usr/sbin/", "sbin/"))}
+    assert programs == {"usr/bin/node", "usr/bin/dumb-init"}
+    assert not any("apt" in name.split("/") or name.endswith("/dpkg") for name in image_files)
+
+
+def test_image_has_no_setuid_or_setgid_files(image_files: dict[str, tarfile.TarInfo]) -> None:
+    flagged = [name for name, info in image_files.items() if info.mode & (stat.S_ISUID | stat.S_ISGID)]
+    assert flagged == []
+
+
+def test_image_files_belong_to_root_and_runner_is_read_only(image_files: dict[str, tarfile.TarInfo]) -> None:
+    assert {(info.uid, info.gid) for info in image_files.values()} == {(0, 0)}
+    assert image_files["opt/metaagent"].mode & 0o7777 == 0o755
+    assert image_files["opt/metaagent/runner.js"].mode & 0o7777 == 0o644
+    assert image_files["tmp"].mode & 0o7777 == 0o1777
+    assert image_files["app"].mode & 0o7777 == 0o755
+
+
+# --- the runner in a hardened container ---------------------------------------------------------------
+
+
+def test_console_log_prints_to_stdout(client: docker.DockerClient, sandbox: str) -> None:
+    run = run_js(client, sandbox, "console.log(1+1)")
+    assert run == Run(0, "2\n", "")
+
+
+@pytest.mark.parametrize(
+    "reader",
+    [
+        "let s = ''; process.stdin.setEncoding('utf8');"
+        " process.stdin.on('data', d => s += d).on('end', () => console.log(JSON.stringify(s)));",
+        "(async () => { const parts = []; for await (const c of process.stdin) parts.push(c);"
+        " console.log(JSON.stringify(Buffer.concat(parts).toString('utf8'))); })();",
+        "const lines = []; const rl = require('readline').createInterface({ input: process.stdin });"
+        " rl.on('line', l => lines.push(l)).on('close', () => console.log(JSON.stringify(lines.join('\\n') + '\\n')));",
+    ],
+    ids=["data-events", "for-await", "readline"],
+)
+def test_stdin_content_reaches_process_stdin(client: docker.DockerClient, sandbox: str, reader: str) -> None:
+    text = "first line\nzweite Zeile: äöü €\nthird\n"
+    run = run_js(client, sandbox, reader, text.encode())
+    assert run.stderr == ""
+    assert run.exit_code == 0
+    assert json.loads(run.stdout) == text
+
+
+def test_process_stdin_is_a_plain_readable_not_a_file_stream(client: docker.DockerClient, sandbox: str) -> None:
+    code = (
+        "const { Readable } = require('stream'); const d = Object.getOwnPropertyDescriptor(process, 'stdin');"
+        " console.log(process.stdin.constructor === Readable, typeof process.stdin.fd, d.configurable)"
+    )
+    run = run_js(client, sandbox, code)
+    assert run == Run(0, "true undefined false\n", "")
+
+
+def test_runner_does_not_wait_for_stdin_eof(client: docker.DockerClient, sandbox: str) -> None:
+    code = "process.stdin.on('data', d => console.log(String(d))); setTimeout(() => console.log('done'), 50)"
+    run = run_js(client, sandbox, code, b"input", close_stdin=False)
+    assert run == Run(0, "input\ndone\n", "")
+
+
+def test_malformed_header_exits_70_without_running_code(client: docker.DockerClient, sandbox: str) -> None:
+    run = run_raw(client, sandbox, b'{"code_bytes": "many"}\nconsole.log("ran")')
+    assert run.exit_code == 70
+    assert run.stdout == ""
+    assert run.stderr.startswith("metaagent-runner: bad payload: ")
+
+
+def test_truncated_payload_exits_70(client: docker.DockerClient, sandbox: str) -> None:
+    run = run_raw(client, sandbox, b'{"code_bytes": 100, "stdin_bytes": 0}\nconsole.log("ran")')
+    assert run.exit_code == 70
+    assert "stdin ended after 18 of 100 body bytes" in run.stderr
+
+
+def test_code_runs_as_sandbox_user_1001(client: docker.DockerClient, sandbox: str) -> None:
+    code = "const u = require('os').userInfo(); console.log(u.username, u.uid, u.gid, process.getuid())"
+    run = run_js(client, sandbox, code)
+    assert run == Run(0, "sandbox 1001 1001 1001\n", "")
+
+
+def test_crypto_intl_url_and_fetch_work(client: docker.DockerClient, sandbox: str) -> None:
+    code = """
+    const hash = require('crypto').createHash('sha256').update('abc').digest('hex');
+    const date = new Intl.DateTimeFormat('de-DE', { dateStyle: 'long', timeZone: 'UTC' }).format(new Date(0));
+    const url = new URL('https://example.com:8443/a/b?c=d#e');
+    console.log(JSON.stringify({ hash, date, host: url.host, fetch: typeof fetch }));
+    """
+    run = run_js(client, sandbox, code)
+    assert run.stderr == ""
+    assert run.exit_code == 0
+    assert json.loads(run.stdout) == {
+        "hash": "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad",
+        "date": "1. Januar 1970",
+        "host": "example.com:8443",
+        "fetch": "function",
+    }
+
+
+def test_thrown_error_exits_1_with_stack_on_stderr(client: docker.DockerClient, sandbox: str) -> None:
+    run = run_js(client, sandbox, "console.log('before');\nthrow new Error('boom')")
+    assert run.exit_code == 1
+    assert run.stdout == "before\n"
+    assert "Error: boom\n    at Object.<anonymous> (/app/main.js:2:7)" in run.stderr
+
+
+def test_unhandled_rejection_exits_1_with_stack_on_stderr(client: docker.DockerClient, sandbox: str) -> None:
+    run = run_js(client, sandbox, "Promise.reject(new Error('nope'))")
+    assert run.exit_code == 1
+    assert "Error: nope\n    at Object.<anonymous> (/app/main.js:1:16)" in run.stderr
+
+
+def test_syntax_error_exits_1_and_names_the_line(client: docker.DockerClient, sandbox: str) -> None:
+    run = run_js(client, sandbox, "let x = ;")
+    assert run.exit_code == 1
+    assert run.stderr.startswith("/app/main.js:1\n")
+    assert "SyntaxError: Unexpected token ';'" in run.stderr
+
+
+def test_user_code_is_the_main_module(client: docker.DockerClient, sandbox: str) -> None:
+    code = (
+        "console.log(JSON.stringify([require.main === module, process.mainModule === module,"
+        " process.mainModule.filename, __filename, __dirname, module.id, process.argv[1]]))"
+    )
+    run = run_js(client, sandbox, code)
+    assert run.stderr == ""
+    assert json.loads(run.stdout) == [True, True, "/app/main.js", "/app/main.js", "/app", ".", "/app/main.js"]

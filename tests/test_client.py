@@ -1,0 +1,177 @@
+"""`metaagent.Client` and `metaagent.AsyncClient` against the real service on 127.0.0.1, and against mocks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+
+import metaagent
+from metaagent.app import TOOLS, create_app
+from metaagent.errors import MetaAgentError, ServiceError
+from tests.conftest import make_settings
+from tests.fake_upstreams import OPENAI_KEY, SERPER_KEY, fake_openai, fake_serper, vector_for
+from tests.live_service import serving
+
+
+@pytest.fixture
+def live_service(tmp_path: Path) -> Iterator[str]:
+    """The service with search and embeddings pointed at fake upstreams, all on 127.0.0.1."""
+    with fake_serper() as serper, fake_openai() as openai:
+        settings = make_settings(
+            tmp_path,
+            allow_http_hosts='["127.0.0.1"]',
+            serper_api_key=SERPER_KEY,
+            serper_base_url=serper.url,
+            openai_api_key=OPENAI_KEY,
+            openai_base_url=openai.url,
+        )
+        with serving(create_app(settings)) as url:
+            yield url
+
+
+def test_client_round_trips_tools_health_http_search_and_embeddings(live_service: str, upstream: str) -> None:
+    with metaagent.Client(live_service) as client:
+        tools = client.tools()["tools"]
+        health = client.health()
+        fetched = client.http(f"{upstream}/echo", "POST", headers={"X-A": "1"}, body="hi", timeout_s=10)
+        found = client.search("mcp", num=2, type="news")
+        embedded = client.embeddings(["a", "bb"], dimensions=3)
+        routed = client.call_tool("search", {"q": "mcp", "num": 1})
+    assert [t["name"] for t in tools] == [spec.name for spec in TOOLS]
+    assert health["status"] in ("ok", "degraded")
+    assert fetched["status"] == 200
+    assert json.loads(fetched["body"])["body"] == "hi"
+    assert [r["link"] for r in found["results"]] == ["https://news.example.com/1", "https://news.example.com/2"]
+    assert [d["embedding"] for d in embedded["data"]] == [vector_for("a", 3), vector_for("bb", 3)]
+    assert len(routed["results"]) == 1
+
+
+async def test_async_client_round_trips_tools_health_http_search_and_embeddings(
+    live_service: str, upstream: str
+) -> None:
+    async with metaagent.AsyncClient(live_service) as client:
+        tools = (await client.tools())["tools"]
+        health = await client.health()
+        fetched = await client.http(f"{upstream}/hello")
+        found = await client.search("mcp", num=3)
+        embedded = await client.embeddings("hello")
+        executions = await client.executions()
+    assert {"http", "search", "embeddings"} <= {t["name"] for t in tools}
+    assert "checks" in health
+    assert fetched["body"] == "hello from upstream"
+    assert [r["position"] for r in found["results"]] == [1, 2, 3]
+    assert found["answerBox"]["answer"] == "42"
+    assert embedded["data"] == [{"index": 0, "embedding": vector_for("hello")}]
+    assert executions == {"executions": []}
+
+
+def test_an_error_status_raises_service_error_with_the_status_and_the_services_message(live_service: str) -> None:
+    with metaagent.Client(live_service) as client, pytest.raises(ServiceError) as caught:
+        client.http("https://malicious.com/api")
+    assert caught.value.status_code == 400
+    assert caught.value.message == "Blocked host: malicious.com"
+    assert caught.value.extra == {"host": "malicious.com"}
+    assert isinstance(caught.value, MetaAgentError)
+
+
+async def test_an_unknown_execution_raises_a_404_service_error(live_service: str) -> None:
+    async with metaagent.AsyncClient(live_service) as client:
+        with pytest.raises(ServiceError) as missing:
+            await client.execution("no-such-execution")
+        with pytest.raises(ServiceError) as not_killed:
+            await client.kill_execution("no-such-execution")
+    assert (missing.value.status_code, not_killed.value.status_code) == (404, 404)
+    assert missing.value.message
+
+
+def test_invalid_arguments_raise_a_422_service_error_naming_the_field(live_service: str) -> None:
+    with metaagent.Client(live_service) as client, pytest.raises(ServiceError) as caught:
+        client.search("x", num=1000)
+    assert caught.value.status_code == 422
+    assert "num" in caught.value.message
+
+
+Captured = list[httpx2.Request]
+
+
+def mocked(captured: Captured, status: int = 200, answer: Any = None) -> httpx2.MockTransport:
+    def handle(request: httpx2.Request) -> httpx2.Response:
+        captured.append(request)
+        return httpx2.Response(status, json={"ok": True} if answer is None else answer)
+
+    return httpx2.MockTransport(handle)
+
+
+@pytest.mark.parametrize(
+    ("call", "method", "path", "body"),
+    [
+        (lambda c: c.http("https://x.example"), "POST", "/tools/http", {"url": "https://x.example"}),
+        (
+            lambda c: c.code_interpreter("console.log(1)", timeout_s=5, packages=["lodash"]),
+            "POST",
+            "/tools/code-interpreter",
+            {"code": "console.log(1)", "timeout_s": 5, "packages": ["lodash"]},
+        ),
+        (
+            lambda c: c.call_tool("code_interpreter", {"code": "1"}),
+            "POST",
+            "/tools/code-interpreter",
+            {"code": "1"},
+        ),
+        (lambda c: c.search("q", gl="de"), "POST", "/tools/search", {"q": "q", "gl": "de"}),
+        (lambda c: c.embeddings("t", model="m"), "POST", "/tools/embeddings", {"input": "t", "model": "m"}),
+        (lambda c: c.tools(), "GET", "/tools", None),
+        (lambda c: c.health(), "GET", "/health", None),
+        (lambda c: c.executions(), "GET", "/executions", None),
+        (lambda c: c.execution("a/b"), "GET", "/executions/a%2Fb", None),
+        (lambda c: c.kill_execution("e1"), "DELETE", "/executions/e1", None),
+    ],
+)
+def test_each_method_sends_the_documented_request(
+    call: Any, method: str, path: str, body: dict[str, Any] | None
+) -> None:
+    captured: Captured = []
+    with metaagent.Client("http://service.test", transport=mocked(captured)) as client:
+        assert call(client) == {"ok": True}
+    (request,) = captured
+    assert (request.method, request.url.raw_path.decode()) == (method, path)
+    assert (json.loads(request.content) if request.content else None) == body
+
+
+@pytest.mark.security
+async def test_the_api_key_is_sent_as_a_bearer_token() -> None:
+    captured: Captured = []
+    async with metaagent.AsyncClient("http://service.test", api_key="k-123", transport=mocked(captured)) as client:
+        await client.health()
+    assert captured[0].headers["authorization"] == "Bearer k-123"
+    with metaagent.Client("http://service.test", transport=mocked(captured)) as anonymous:
+        anonymous.health()
+    assert "authorization" not in captured[1].headers
+
+
+def test_an_error_without_a_json_body_still_raises_service_error() -> None:
+    def handle(_request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(502, text="<html>Bad Gateway</html>")
+
+    client = metaagent.Client("http://service.test", transport=httpx2.MockTransport(handle))
+    with client, pytest.raises(ServiceError) as caught:
+        client.health()
+    assert caught.value.status_code == 502
+    assert "Bad Gateway" in caught.value.message
+
+
+def test_import_metaagent_stays_cheap_until_a_client_is_asked_for() -> None:
+    probe = (
+        "import sys, metaagent; "
+        "print(sorted(m for m in ('httpx2', 'fastapi', 'mcp', 'metaagent.client') if m in sys.modules)); "
+        "metaagent.Client; print('metaagent.client' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.split("\n")[:2] == ["[]", "True"]
