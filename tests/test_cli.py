@@ -63,6 +63,8 @@ def serving(tmp_path: Path, **env: str) -> Iterator[tuple[str, subprocess.Popen[
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
+        if process.stderr is not None:
+            process.stderr.close()
 
 
 @pytest.mark.security

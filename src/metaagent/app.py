@@ -20,7 +20,7 @@ from metaagent import __version__
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard
-from metaagent.errors import AtCapacity, MetaAgentError, describe_validation_errors
+from metaagent.errors import AtCapacity, ClientGone, MetaAgentError, describe_validation_errors
 from metaagent.executions import ExecutionInfo, ExecutionList, ExecutionRegistry, KillResult
 from metaagent.mcp_server import build_server, mount_mcp
 from metaagent.sandbox.engine import Engine, EngineUnavailable
@@ -214,7 +214,28 @@ def _add_tool_route(app: FastAPI, spec: ToolSpec) -> None:
     """`POST <spec.path>`: the body is validated by the tool's request model, the answer is its response model."""
 
     async def endpoint(body: BaseModel, request: Request) -> BaseModel:
-        return await spec.invoke(services(request), body)
+        # A caller that hangs up cancels its call: an execution's container is then killed and removed.
+        result: list[BaseModel] = []
+        failure: list[Exception] = []
+        async with anyio.create_task_group() as group:
+
+            async def watch_disconnect() -> None:
+                # The body is read already, so the next ASGI message can only be the disconnect.
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch_disconnect)
+            try:
+                result.append(await spec.invoke(services(request), body))
+            except Exception as exc:  # carried out of the task group unwrapped, for the error handlers
+                failure.append(exc)
+            group.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
+        if not result:
+            raise ClientGone("The client disconnected before the answer was ready")
+        return result[0]
 
     # FastAPI reads the body's type from the signature; the model differs per tool, so it is set here.
     endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # read by FastAPI

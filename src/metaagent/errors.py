@@ -8,6 +8,7 @@
     │   └── PackageRefused               an npm package the package policy forbids
     ├── NotFound                         404
     ├── AtCapacity                       429, with Retry-After
+    ├── ClientGone                       499: the caller disconnected; its work was cancelled
     ├── UpstreamError                    502: an allowed upstream failed (DNS, refused, TLS, bad answer)
     │   └── UpstreamTimeout              504: an allowed upstream was too slow
     └── Unavailable                      503: something the service needs is missing (engine, key, image)
@@ -78,6 +79,12 @@ class AtCapacity(MetaAgentError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message, retry_after_s=retry_after_s)
         self.retry_after_s = retry_after_s
+
+
+class ClientGone(MetaAgentError):
+    """The caller hung up; nobody reads this answer (499, as nginx logs it)."""
+
+    status_code = 499
 
 
 class UpstreamError(MetaAgentError):

@@ -63,15 +63,10 @@ class Settings(BaseSettings):
     max_concurrent_executions: int | None = Field(default=None, ge=1)
     execution_queue_size: int = Field(default=32, ge=0)
     kill_grace_s: float = Field(default=5.0, ge=0, le=60)
-    npm_allowed_packages: Annotated[str | None, NoDecode] = None
-    npm_install_timeout_s: float = Field(default=30.0, gt=0, le=600)
-    npm_registry: str | None = None
 
     # Operations.
     audit_log: Path = Path("metaagent-audit.jsonl")
-    api_keys: Annotated[str, NoDecode] = ""
     log_format: str = Field(default="text", pattern="^(text|json)$")
-    max_request_bytes: int = Field(default=2 * MIB, gt=0)
     # Host headers accepted at /mcp besides localhost's (DNS-rebinding protection); `*` turns the check off.
     mcp_allowed_hosts: Annotated[str, NoDecode] = ""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -225,6 +226,7 @@ def test_every_execution_writes_an_audit_record_with_its_security_context(
     assert record["limits"] == {"timeout_s": 5, "memory_mb": 256, "cpus": 0.5, "stdout_cap": 51200, "stderr_cap": 25600}
     assert record["prev_hash"] != record["hash"]
     assert str(record["image"]).startswith("metaagent-sandbox:")
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", str(record["image_id"]))
 
 
 def test_a_long_execution_is_listed_fetched_and_killed(sandbox_service: Service) -> None:
@@ -282,3 +284,52 @@ def test_health_reports_the_engine_and_the_image(sandbox_service: Service) -> No
     assert health["status"] == "ok"
     assert health["checks"]["container_engine"]["ok"] is True
     assert health["checks"]["sandbox_image"]["tag"].startswith("metaagent-sandbox:")
+
+
+@pytest.mark.security
+def test_client_that_disconnects_gets_its_container_removed(
+    sandbox_service: Service, containers_of: Callable[[str], list[str]]
+) -> None:
+    import httpx2
+
+    body = {"code": "console.log('started'); setInterval(() => {}, 1000)", "timeout_s": 120}
+    with pytest.raises(httpx2.ReadTimeout):
+        httpx2.post(f"{sandbox_service.base_url}/tools/code-interpreter", json=body, timeout=3)
+    for _ in range(100):  # the service notices the hang-up, cancels, kills and removes
+        if not [e for e in sandbox_service.get("/executions").json()["executions"] if e["timeout_s"] == 120]:
+            break
+        time.sleep(0.1)
+    record = next(r for r in reversed(_audit_records(sandbox_service)) if r.get("limits", {}).get("timeout_s") == 120)  # type: ignore[union-attr]
+    assert record["outcome"] == {"status": "error", "error": "cancelled"}
+    assert containers_of(str(record["execution_id"])) == []
+
+
+def test_service_start_removes_containers_left_by_a_dead_service(
+    docker_client: object, tmp_path: Path, containers_of: Callable[[str], list[str]]
+) -> None:
+    import docker as docker_sdk
+
+    from metaagent.sandbox.image import image_tag
+    from tests.test_cli import serving
+
+    client = docker_sdk.from_env()
+    orphan = client.api.create_container(
+        image_tag(),
+        command=["/usr/bin/node", "-e", "0"],
+        labels={
+            "org.metaagent.service": "metaagent",
+            "org.metaagent.execution": "exe_orphan",
+            "org.metaagent.owner-pid": "999999999",
+        },
+    )
+    try:
+        with serving(tmp_path, METAAGENT_SANDBOX_BUILD_ON_START="false"):
+            for _ in range(100):
+                if not containers_of("exe_orphan"):
+                    break
+                time.sleep(0.1)
+        assert containers_of("exe_orphan") == []
+    finally:
+        with contextlib.suppress(docker_sdk.errors.NotFound):
+            client.api.remove_container(orphan["Id"], force=True)
+        client.close()

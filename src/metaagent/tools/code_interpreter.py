@@ -244,6 +244,7 @@ class CodeInterpreter:
             network=request.network.model_dump() if request.network else None,
             container_id=execution.container_id,
             image=image,
+            image_id=self.image.image_id,
             security=SECURITY_CONTEXT,
             outcome=result,
         )
