@@ -100,9 +100,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             cpus=settings.sandbox_cpus,
             grace_s=settings.kill_grace_s,
         )
-        app.state.services = Services(settings, allowlist, audit, guard, http, engine, image, executions, interpreter)
         search, embeddings = SearchTool(guard, settings), EmbeddingsTool(guard, settings)
-        app.state.services.extra.update(search=search, embeddings=embeddings)
+        app.state.services = Services(
+            settings, allowlist, audit, guard, http, engine, image, executions, interpreter, search, embeddings
+        )
         async with anyio.create_task_group() as background:
             background.start_soon(_prepare_sandbox, engine, image, settings.sandbox_build_on_start)
             try:

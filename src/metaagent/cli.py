@@ -6,13 +6,16 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 import uvicorn
 
 from metaagent.errors import ConfigError, EgressRefused
 from metaagent.settings import Settings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="MetaAgent tools service.")
 allowlist_app = typer.Typer(no_args_is_help=True, help="Inspect and test the egress allow-list.")
@@ -41,22 +44,26 @@ def _fail(message: str, code: int = CONFIG_ERROR) -> typer.Exit:
     return typer.Exit(code)
 
 
-@app.command()
-def serve(
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 3102,
-) -> None:
-    """Start the HTTP service (and the MCP endpoint at /mcp)."""
+def _service_app() -> FastAPI:
+    """The service app from the environment's settings, with logging set up; exit 2 on a bad configuration."""
     from metaagent import logs
     from metaagent.app import create_app
 
     settings = Settings()
     logs.configure(settings.log_format)
     try:
-        application = create_app(settings)
+        return create_app(settings)
     except ConfigError as exc:
         raise _fail(f"metaagent: refusing to start: {exc}") from None
-    config = uvicorn.Config(application, host=host, port=port, log_config=None, timeout_graceful_shutdown=15)
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 3102,
+) -> None:
+    """Start the HTTP service (and the MCP endpoint at /mcp)."""
+    config = uvicorn.Config(_service_app(), host=host, port=port, log_config=None, timeout_graceful_shutdown=15)
     GracefulServer(config).run()
 
 
@@ -136,17 +143,9 @@ def mcp_stdio() -> None:
     """Serve the tools over MCP on stdin/stdout (for MCP clients that start the server; logs go to stderr)."""
     import anyio
 
-    from metaagent import logs
-    from metaagent.app import create_app
     from metaagent.mcp_server import serve_stdio
 
-    settings = Settings()
-    logs.configure(settings.log_format)
-    try:
-        application = create_app(settings)
-    except ConfigError as exc:
-        raise _fail(f"metaagent: refusing to start: {exc}") from None
-    anyio.run(serve_stdio, application)
+    anyio.run(serve_stdio, _service_app())
 
 
 @allowlist_app.command("check")

@@ -89,9 +89,6 @@ class ExecutionRegistry:
     def all(self) -> list[Execution]:
         return list(self._running.values())
 
-    def __len__(self) -> int:
-        return len(self._running)
-
     def kill(self, execution_id: str) -> KillResult:
         self.get(execution_id).kill_requested.set()
         return KillResult(execution_id=execution_id, killed=True)

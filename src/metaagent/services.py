@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
@@ -13,7 +12,9 @@ from metaagent.sandbox.engine import Engine
 from metaagent.sandbox.provision import SandboxImage
 from metaagent.settings import Settings
 from metaagent.tools.code_interpreter import CodeInterpreter
+from metaagent.tools.embeddings import EmbeddingsTool
 from metaagent.tools.http import HttpTool
+from metaagent.tools.search import SearchTool
 
 
 @dataclass
@@ -27,5 +28,5 @@ class Services:
     image: SandboxImage
     executions: ExecutionRegistry
     interpreter: CodeInterpreter
-    # Parts added by later tools (code interpreter, search, embeddings) register themselves here by name.
-    extra: dict[str, Any] = field(default_factory=dict)
+    search: SearchTool
+    embeddings: EmbeddingsTool

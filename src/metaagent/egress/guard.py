@@ -29,8 +29,8 @@ import httpx2
 from httpcore2._backends.anyio import AnyIOBackend
 
 from metaagent.audit import AuditLog
-from metaagent.egress.allowlist import AllowList
-from metaagent.egress.url import InvalidURL, SchemeRefused, Target, parse_url
+from metaagent.egress.allowlist import AllowList, canonical_ip
+from metaagent.egress.url import SchemeRefused, Target, parse_url
 from metaagent.errors import EgressRefused, HostBlocked, UpstreamError, UpstreamTimeout
 
 security_log = logging.getLogger("metaagent.security")
@@ -101,8 +101,6 @@ class EgressGuard:
                 reason="scheme",
             )
             raise
-        except InvalidURL:
-            raise
         match = self.allowlist.match(target.host)
         if not match.allowed:
             self._refuse(
@@ -127,7 +125,7 @@ class EgressGuard:
         timeout: float | None = None,  # noqa: ASYNC109 -- passed down from httpcore
     ) -> list[str]:
         """The addresses to connect to for an allowed host, after the address policy; raises otherwise."""
-        if self.allowlist.match(host).allowed and _is_literal(host):
+        if canonical_ip(host) is not None and self.allowlist.match(host).allowed:
             return [host]  # an exact IP entry is an explicit decision of the operator
         try:
             with anyio.fail_after(timeout):
@@ -158,14 +156,6 @@ class EgressGuard:
 
     def transport(self, *, tool: str = "http") -> httpx2.AsyncHTTPTransport:
         return _GuardedTransport(self, tool)
-
-
-def _is_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 class _GuardedBackend(AnyIOBackend):

@@ -36,22 +36,10 @@ class Target:
     has_userinfo: bool
 
     @property
-    def is_ip(self) -> bool:
-        return _is_ip(self.host)
-
-    @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         port = "" if self.port == _DEFAULT_PORTS[self.scheme] else f":{self.port}"
         return f"{self.scheme}://{host}{port}{self.path}"
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 class InvalidURL(EgressRefused):

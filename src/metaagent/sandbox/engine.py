@@ -54,6 +54,20 @@ class ContainerSpec:
     tmp_size_mb: int = 100
     tmp_inodes: int = 16384
 
+    def security_context(self) -> dict[str, Any]:
+        """What `create` enforces for this spec, as the audit log records it."""
+        return {
+            "user": SANDBOX_UID,
+            "capabilities": [],
+            "no_new_privileges": True,
+            "read_only_root": True,
+            "network_mode": "none",
+            "ipc_mode": "none",
+            "pids_limit": self.pids_limit,
+            "nofile": self.nofile,
+            "tmpfs": f"/tmp {self.tmp_size_mb}m noexec",
+        }
+
 
 @dataclass(frozen=True)
 class ContainerState:

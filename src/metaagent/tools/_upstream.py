@@ -21,10 +21,11 @@ from pydantic import SecretStr
 
 from metaagent.egress.guard import EgressGuard
 from metaagent.errors import HostBlocked, Unavailable, UpstreamError, UpstreamTimeout
+from metaagent.settings import MIB, Settings
+from metaagent.tools.http import read_capped
 
 log = logging.getLogger("metaagent.upstream")
 
-MIB = 1024 * 1024
 # Far above any real answer (2048 embeddings of 3072 dimensions in base64 are about 33 MiB).
 MAX_RESPONSE_BYTES = 64 * MIB
 _MAX_MESSAGE_CHARS = 500
@@ -133,6 +134,19 @@ class JsonApi:
             transport=guard.transport(tool=tool), follow_redirects=False, timeout=timeout_s
         )
 
+    @classmethod
+    def from_settings(
+        cls, guard: EgressGuard, settings: Settings, *, tool: str, upstream: str, base_url: str
+    ) -> JsonApi:
+        return cls(
+            guard,
+            tool=tool,
+            upstream=upstream,
+            base_url=base_url,
+            policy=RetryPolicy(settings.upstream_max_retries, settings.upstream_max_retry_wait_s),
+            timeout_s=settings.upstream_timeout_s,
+        )
+
     async def aclose(self) -> None:
         await self._client.aclose()
 
@@ -182,23 +196,17 @@ class JsonApi:
         try:
             with anyio.fail_after(self._timeout_s):
                 async with self._client.stream("POST", url, json=payload, headers=headers) as response:
-                    body = await self._read_capped(response)
+                    body, truncated = await read_capped(response, MAX_RESPONSE_BYTES)
+                    if truncated:
+                        raise UpstreamError(
+                            f"{self._upstream} sent more than {MAX_RESPONSE_BYTES // MIB} MiB; giving up"
+                        )
                     return response.status_code, response.headers, body
         except (TimeoutError, httpx2.TimeoutException):
             raise UpstreamTimeout(f"{self._upstream} did not answer within {self._timeout_s:g} s") from None
         except httpx2.TransportError as exc:
             detail = redact(str(exc) or type(exc).__name__, secret)
             raise UpstreamError(f"Could not reach {self._upstream}: {detail}") from None
-
-    async def _read_capped(self, response: httpx2.Response) -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in response.aiter_bytes():
-            size += len(chunk)
-            if size > MAX_RESPONSE_BYTES:
-                raise UpstreamError(f"{self._upstream} sent more than {MAX_RESPONSE_BYTES // MIB} MiB; giving up")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def _decode(self, body: bytes) -> Any:
         try:

@@ -101,19 +101,6 @@ class Admission:
             self._slots.release()
 
 
-SECURITY_CONTEXT: dict[str, Any] = {
-    "user": "1001:1001",
-    "capabilities": [],
-    "no_new_privileges": True,
-    "read_only_root": True,
-    "network_mode": "none",
-    "ipc_mode": "none",
-    "pids_limit": 32,
-    "nofile": 256,
-    "tmpfs": "/tmp 100m noexec",
-}
-
-
 def container_spec(
     execution_id: str, image: str, memory_mb: int, cpus: float, command: list[str] | None = None
 ) -> ContainerSpec:
@@ -168,13 +155,14 @@ class CodeInterpreter:
         execution = Execution(new_execution_id(), request.timeout_s, request.memory_mb, caller=caller)
         self.registry.add(execution)
         started_at = datetime.now(UTC)
+        spec = container_spec(execution.execution_id, image_ref, request.memory_mb, self.cpus)
         outcome: Outcome | None = None
         error: str | None = None
         try:
             async with self.admission.slot() as queued_s:
                 outcome = await execute(
                     self.engine,
-                    container_spec(execution.execution_id, image_ref, request.memory_mb, self.cpus),
+                    spec,
                     payload(request.code, request.stdin),
                     execution,
                     timeout_s=request.timeout_s,
@@ -185,7 +173,7 @@ class CodeInterpreter:
             raise
         finally:
             self.registry.discard(execution)
-            self._audit(request, execution, image_ref, started_at, outcome, error)
+            self._audit(request, execution, spec, started_at, outcome, error)
         return CodeInterpreterResponse(
             execution_id=execution.execution_id,
             exit_code=outcome.exit_code,
@@ -204,7 +192,7 @@ class CodeInterpreter:
         self,
         request: CodeInterpreterRequest,
         execution: Execution,
-        image: str,
+        spec: ContainerSpec,
         started_at: datetime,
         outcome: Outcome | None,
         error: str | None,
@@ -243,8 +231,8 @@ class CodeInterpreter:
             packages=request.packages,
             network=request.network.model_dump() if request.network else None,
             container_id=execution.container_id,
-            image=image,
+            image=spec.image,
             image_id=self.image.image_id,
-            security=SECURITY_CONTEXT,
+            security=spec.security_context(),
             outcome=result,
         )

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from metaagent.egress.guard import EgressGuard
 from metaagent.settings import Settings
 from metaagent.tools import ToolSpec
-from metaagent.tools._upstream import JsonApi, RetryPolicy, require_key
+from metaagent.tools._upstream import JsonApi, require_key
 
 if TYPE_CHECKING:
     from metaagent.services import Services
@@ -80,13 +80,8 @@ class EmbeddingsTool:
         self._key = settings.openai_api_key
         self._batch_size = settings.embeddings_batch_size
         self._batch_bytes = settings.embeddings_batch_max_bytes
-        self._api = JsonApi(
-            guard,
-            tool="embeddings",
-            upstream="OpenAI",
-            base_url=settings.openai_base_url,
-            policy=RetryPolicy(settings.upstream_max_retries, settings.upstream_max_retry_wait_s),
-            timeout_s=settings.upstream_timeout_s,
+        self._api = JsonApi.from_settings(
+            guard, settings, tool="embeddings", upstream="OpenAI", base_url=settings.openai_base_url
         )
 
     async def aclose(self) -> None:
@@ -160,8 +155,7 @@ def _count(value: Any) -> int:
 
 
 async def _invoke(svc: Services, request: EmbeddingsRequest) -> EmbeddingsResponse:
-    tool: EmbeddingsTool = svc.extra["embeddings"]
-    return await tool(request)
+    return await svc.embeddings(request)
 
 
 EMBEDDINGS = ToolSpec(

@@ -59,9 +59,7 @@ class HttpTool:
         try:
             with anyio.fail_after(request.timeout_s):
                 return await self._exchange(request)
-        except TimeoutError:
-            raise UpstreamTimeout(f"The upstream did not answer within {request.timeout_s:g} s") from None
-        except httpx2.TimeoutException:
+        except (TimeoutError, httpx2.TimeoutException):
             raise UpstreamTimeout(f"The upstream did not answer within {request.timeout_s:g} s") from None
         except httpx2.TransportError as exc:
             raise UpstreamError(f"Could not reach the upstream: {exc or type(exc).__name__}") from None
@@ -89,21 +87,23 @@ class HttpTool:
                         method, content = ("HEAD" if method == "HEAD" else "GET"), None
                         headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
                     continue
-                body, truncated = await self._read_capped(response)
+                body, truncated = await read_capped(response, self._max_bytes)
             finally:
                 await response.aclose()
             return _response(response, target.url, body, truncated)
         raise UpstreamError(f"Too many redirects (more than {self._max_redirects}); last location: {url}")
 
-    async def _read_capped(self, response: httpx2.Response) -> tuple[bytes, bool]:
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in response.aiter_bytes():
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > self._max_bytes:
-                return b"".join(chunks)[: self._max_bytes], True
-        return b"".join(chunks), False
+
+async def read_capped(response: httpx2.Response, cap: int) -> tuple[bytes, bool]:
+    """At most `cap` bytes of the body, and whether there were more; stops reading past the cap."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > cap:
+            return b"".join(chunks)[:cap], True
+    return b"".join(chunks), False
 
 
 def _response(response: httpx2.Response, url: str, body: bytes, truncated: bool) -> HttpResponse:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from metaagent.egress.guard import EgressGuard
 from metaagent.settings import Settings
 from metaagent.tools import ToolSpec
-from metaagent.tools._upstream import JsonApi, RetryPolicy, require_key
+from metaagent.tools._upstream import JsonApi, require_key
 
 if TYPE_CHECKING:
     from metaagent.services import Services
@@ -77,13 +77,8 @@ class _SerperItem(BaseModel):
 class SearchTool:
     def __init__(self, guard: EgressGuard, settings: Settings) -> None:
         self._key = settings.serper_api_key
-        self._api = JsonApi(
-            guard,
-            tool="search",
-            upstream="Serper",
-            base_url=settings.serper_base_url,
-            policy=RetryPolicy(settings.upstream_max_retries, settings.upstream_max_retry_wait_s),
-            timeout_s=settings.upstream_timeout_s,
+        self._api = JsonApi.from_settings(
+            guard, settings, tool="search", upstream="Serper", base_url=settings.serper_base_url
         )
 
     async def aclose(self) -> None:
@@ -143,8 +138,7 @@ def _list(value: Any) -> list[Any]:
 
 
 async def _invoke(svc: Services, request: SearchRequest) -> SearchResponse:
-    tool: SearchTool = svc.extra["search"]
-    return await tool(request)
+    return await svc.search(request)
 
 
 SEARCH = ToolSpec(
