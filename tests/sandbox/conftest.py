@@ -38,7 +38,7 @@ def docker_client() -> Iterator[docker.DockerClient]:
         client = docker.from_env()
         client.ping()
     except docker.errors.DockerException as exc:
-        pytest.skip(f"no container engine: {exc}")
+        pytest.skip(f"no Docker engine answers ({exc}): run scripts/ensure-docker")
     yield client
     client.close()
 

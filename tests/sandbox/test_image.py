@@ -9,7 +9,6 @@ import stat
 import struct
 import tarfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -36,14 +35,8 @@ class Run:
 
 
 @pytest.fixture(scope="session")
-def client() -> Iterator[docker.DockerClient]:
-    try:
-        engine = docker.from_env()
-        engine.ping()
-    except docker.errors.DockerException as exc:
-        pytest.skip(f"no Docker engine answers ({exc}): run scripts/ensure-docker")
-    yield engine
-    engine.close()
+def client(docker_client: docker.DockerClient) -> docker.DockerClient:
+    return docker_client  # the engine fixture of tests/sandbox/conftest.py, under this module's shorter name
 
 
 @pytest.fixture(scope="session")
