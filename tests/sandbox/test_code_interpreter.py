@@ -220,6 +220,7 @@ def test_every_execution_writes_an_audit_record_with_its_security_context(
         "pids_limit": 32,
         "nofile": 256,
         "tmpfs": "/tmp 100m noexec",
+        "mounts": [],
     }
     assert record["outcome"]["exit_code"] == 0  # type: ignore[index]
     assert re.fullmatch(r"[0-9a-f]{64}", str(record["container_id"]))

@@ -14,13 +14,14 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import anyio
 import docker
 import docker.errors
 import requests.exceptions
 from docker.types import LogConfig, Ulimit
+from docker.types import Mount as DockerMount
 
 from metaagent.errors import Unavailable
 
@@ -40,6 +41,17 @@ class EngineUnavailable(Unavailable):
 
 
 @dataclass(frozen=True)
+class Mount:
+    """A file tree or socket given to the sandbox. Prefer a named volume: its host path lies under the
+    engine's data root, which the container already sees, so it reveals no path of the service's."""
+
+    target: str
+    source: str
+    kind: Literal["volume", "bind"] = "volume"
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
 class ContainerSpec:
     """Everything that differs between two executions' containers."""
 
@@ -53,6 +65,7 @@ class ContainerSpec:
     nofile: int = 256
     tmp_size_mb: int = 100
     tmp_inodes: int = 16384
+    mounts: tuple[Mount, ...] = ()
 
     def security_context(self) -> dict[str, Any]:
         """What `create` enforces for this spec, as the audit log records it."""
@@ -66,6 +79,7 @@ class ContainerSpec:
             "pids_limit": self.pids_limit,
             "nofile": self.nofile,
             "tmpfs": f"/tmp {self.tmp_size_mb}m noexec",
+            "mounts": [f"{m.target} ({m.kind}, {'ro' if m.read_only else 'rw'})" for m in self.mounts],
         }
 
 
@@ -152,6 +166,10 @@ class Engine:
                 ulimits=[Ulimit(name="nofile", soft=spec.nofile, hard=spec.nofile)],
                 ipc_mode="none",  # no /dev/shm: --read-only does not cover it
                 log_config=LogConfig(type=LogConfig.types.NONE),  # output is read from the stream, never stored
+                mounts=[
+                    DockerMount(target=m.target, source=m.source, type=m.kind, read_only=m.read_only)
+                    for m in spec.mounts
+                ],
             )
             try:
                 container = self._create_container(spec, host_config)
