@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -104,6 +105,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.services = Services(
             settings, allowlist, audit, guard, http, engine, image, executions, interpreter, search, embeddings
         )
+        app.state.stop_executions = functools.partial(_begin_stop, interpreter, executions)
         async with anyio.create_task_group() as background:
             background.start_soon(_prepare_sandbox, engine, image, settings.sandbox_build_on_start)
             try:
@@ -193,10 +195,15 @@ async def _prepare_sandbox(engine: Engine, image: SandboxImage, build: bool) -> 
     await image.refresh(build=build)
 
 
-async def _stop_executions(interpreter: CodeInterpreter, executions: ExecutionRegistry) -> None:
-    """Stops new work, kills every running execution and waits (bounded) for their containers to go."""
+def _begin_stop(interpreter: CodeInterpreter, executions: ExecutionRegistry) -> None:
+    """Refuses new executions and asks every running one to be killed (at a shutdown signal)."""
     interpreter.closing = True
     executions.kill_all()
+
+
+async def _stop_executions(interpreter: CodeInterpreter, executions: ExecutionRegistry) -> None:
+    """Stops new work, kills every running execution and waits (bounded) for their containers to go."""
+    _begin_stop(interpreter, executions)
     with anyio.move_on_after(30):
         await executions.wait_empty()
 

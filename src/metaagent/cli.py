@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -15,6 +17,8 @@ from metaagent.errors import ConfigError, EgressRefused
 from metaagent.settings import Settings
 
 if TYPE_CHECKING:
+    from socket import socket
+
     from fastapi import FastAPI
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="MetaAgent tools service.")
@@ -29,7 +33,28 @@ CONFIG_ERROR = 2
 
 
 class GracefulServer(uvicorn.Server):
-    """Exits 0 after a SIGTERM/SIGINT shutdown: the stop was asked for and completed cleanly."""
+    """Stops the service's executions at SIGTERM/SIGINT and exits 0 once shut down cleanly.
+
+    Uvicorn's graceful shutdown waits for open requests; an execution may run for minutes, so its
+    container is killed at the signal (the caller gets its answer with `killed: true`) rather than after
+    the wait.
+    """
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self._app = app
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        stop = getattr(self._app.state, "stop_executions", None)
+        if stop is not None and self._loop is not None:
+            # A signal handler may run between any two bytecodes of the event loop: hand over, don't act.
+            self._loop.call_soon_threadsafe(stop)
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -63,8 +88,9 @@ def serve(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 3102,
 ) -> None:
     """Start the HTTP service (and the MCP endpoint at /mcp)."""
-    config = uvicorn.Config(_service_app(), host=host, port=port, log_config=None, timeout_graceful_shutdown=15)
-    GracefulServer(config).run()
+    service = _service_app()
+    config = uvicorn.Config(service, host=host, port=port, log_config=None, timeout_graceful_shutdown=15)
+    GracefulServer(config, service).run()
 
 
 @app.command()

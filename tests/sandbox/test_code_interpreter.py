@@ -6,14 +6,19 @@ import contextlib
 import hashlib
 import json
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import docker as docker_sdk
+import httpx2
 import pytest
 
+from metaagent.sandbox.image import image_tag
 from tests.sandbox.conftest import HOST_SECRET, Result, RunJs, Service
+from tests.test_cli import serving
 
 pytestmark = pytest.mark.docker
 
@@ -263,8 +268,6 @@ def test_a_long_execution_is_listed_fetched_and_killed(sandbox_service: Service)
 
 
 def sandbox_service_delete(service: Service, execution_id: str) -> dict[str, object]:
-    import httpx2
-
     response = httpx2.delete(f"{service.base_url}/executions/{execution_id}", timeout=30)
     assert response.status_code == 200
     body: dict[str, object] = response.json()
@@ -272,8 +275,6 @@ def sandbox_service_delete(service: Service, execution_id: str) -> dict[str, obj
 
 
 def test_unknown_execution_is_a_404(sandbox_service: Service) -> None:
-    import httpx2
-
     assert sandbox_service.get("/executions/exe_nope").status_code == 404
     response = httpx2.delete(f"{sandbox_service.base_url}/executions/exe_nope", timeout=30)
     assert response.status_code == 404
@@ -291,8 +292,6 @@ def test_health_reports_the_engine_and_the_image(sandbox_service: Service) -> No
 def test_client_that_disconnects_gets_its_container_removed(
     sandbox_service: Service, containers_of: Callable[[str], list[str]]
 ) -> None:
-    import httpx2
-
     body = {"code": "console.log('started'); setInterval(() => {}, 1000)", "timeout_s": 120}
     with pytest.raises(httpx2.ReadTimeout):
         httpx2.post(f"{sandbox_service.base_url}/tools/code-interpreter", json=body, timeout=3)
@@ -308,11 +307,6 @@ def test_client_that_disconnects_gets_its_container_removed(
 def test_service_start_removes_containers_left_by_a_dead_service(
     docker_client: object, tmp_path: Path, containers_of: Callable[[str], list[str]]
 ) -> None:
-    import docker as docker_sdk
-
-    from metaagent.sandbox.image import image_tag
-    from tests.test_cli import serving
-
     client = docker_sdk.from_env()
     orphan = client.api.create_container(
         image_tag(),
@@ -334,3 +328,37 @@ def test_service_start_removes_containers_left_by_a_dead_service(
         with contextlib.suppress(docker_sdk.errors.NotFound):
             client.api.remove_container(orphan["Id"], force=True)
         client.close()
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_shutdown_signal_kills_running_executions_and_exits_0(
+    sandbox_service: Service, docker_client: docker_sdk.DockerClient, tmp_path: Path, signal_name: str
+) -> None:
+    # sandbox_service: only so that the image is there; this test needs a service of its own to stop.
+    with serving(tmp_path) as (base, process):
+        holder: dict[str, httpx2.Response] = {}
+
+        def long_run() -> None:
+            body = {"code": "setInterval(() => {}, 1000)", "timeout_s": 120}
+            holder["response"] = httpx2.post(f"{base}/tools/code-interpreter", json=body, timeout=120)
+
+        thread = threading.Thread(target=long_run)
+        thread.start()
+        for _ in range(300):
+            running = httpx2.get(f"{base}/executions", timeout=10).json()["executions"]
+            if running and running[0]["state"] == "running":
+                break
+            time.sleep(0.05)
+        assert running
+        assert running[0]["state"] == "running"
+        owned = {"label": f"org.metaagent.owner-pid={process.pid}"}
+        assert len(docker_client.containers.list(all=True, filters=owned)) == 1
+
+        process.send_signal(getattr(signal, signal_name))
+        assert process.wait(timeout=60) == 0  # not a speed check: far below the execution's 120 s
+        thread.join(timeout=10)
+        assert holder["response"].status_code == 200
+        assert holder["response"].json()["killed"] is True
+        assert docker_client.containers.list(all=True, filters=owned) == []
+        record = json.loads((tmp_path / "audit.jsonl").read_text().splitlines()[-1])
+        assert record["outcome"]["killed"] is True  # the audit record was flushed before the exit

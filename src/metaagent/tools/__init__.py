@@ -40,6 +40,9 @@ class ToolSpec:
             "name": self.name,
             "description": self.description,
             "parameters": self.parameters_schema(),
+            # Strict mode requires every field and no defaults; these tools have optional fields, so say
+            # so rather than leave it to a client whose default may be strict (the Responses API's is).
+            "strict": False,
         }
 
 

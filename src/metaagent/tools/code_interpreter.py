@@ -160,6 +160,8 @@ class CodeInterpreter:
         error: str | None = None
         try:
             async with self.admission.slot() as queued_s:
+                if self.closing:  # the service began to stop while this execution was queued
+                    raise Unavailable("The service is shutting down; retry on another instance")
                 outcome = await execute(
                     self.engine,
                     spec,
