@@ -25,6 +25,7 @@ from metaagent.errors import AtCapacity, ClientGone, MetaAgentError, describe_va
 from metaagent.executions import ExecutionInfo, ExecutionList, ExecutionRegistry, KillResult
 from metaagent.mcp_server import build_server, mount_mcp
 from metaagent.sandbox.engine import Engine, EngineUnavailable
+from metaagent.sandbox.pool import WarmPool
 from metaagent.sandbox.provision import SandboxImage
 from metaagent.services import Services
 from metaagent.settings import Settings
@@ -100,6 +101,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             queue_size=settings.execution_queue_size,
             cpus=settings.sandbox_cpus,
             grace_s=settings.kill_grace_s,
+            pool_size=settings.effective_pool_size(os.cpu_count() or 1),
         )
         search, embeddings = SearchTool(guard, settings), EmbeddingsTool(guard, settings)
         app.state.services = Services(
@@ -107,12 +109,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         app.state.stop_executions = functools.partial(_begin_stop, interpreter, executions)
         async with anyio.create_task_group() as background:
-            background.start_soon(_prepare_sandbox, engine, image, settings.sandbox_build_on_start)
+            background.start_soon(_prepare_sandbox, engine, image, interpreter.pool, settings.sandbox_build_on_start)
             try:
                 async with mcp_sessions.run():
                     yield
             finally:
                 await _stop_executions(interpreter, executions)
+                with anyio.move_on_after(30):
+                    await interpreter.pool.stopped.wait()
                 await http.aclose()
                 await search.aclose()
                 await embeddings.aclose()
@@ -173,6 +177,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "queued": svc.interpreter.admission.waiting,
                 "capacity": svc.interpreter.admission.capacity,
             },
+            "warm_pool": {
+                "ok": True,
+                "ready": svc.interpreter.pool.ready,
+                "size": svc.interpreter.pool.size,
+                "served": svc.interpreter.pool.served,
+            },
         }
         status = "ok" if all(c["ok"] for c in checks.values()) else "degraded"
         return {"status": status, "version": __version__, "checks": checks}
@@ -184,20 +194,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-async def _prepare_sandbox(engine: Engine, image: SandboxImage, build: bool) -> None:
+async def _prepare_sandbox(engine: Engine, image: SandboxImage, pool: WarmPool, build: bool) -> None:
+    """Removes what a dead service left, makes sure of the image, then keeps the warm pool filled."""
     try:
         removed = await engine.remove_orphans()
     except EngineUnavailable as exc:
         log.warning("%s", exc.message)
-        return
-    if removed:
-        log.warning("removed %d container(s) left by a service that stopped without cleaning up", removed)
-    await image.refresh(build=build)
+    else:
+        if removed:
+            log.warning("removed %d container(s) left by a service that stopped without cleaning up", removed)
+        await image.refresh(build=build)
+    await pool.run()
 
 
 def _begin_stop(interpreter: CodeInterpreter, executions: ExecutionRegistry) -> None:
-    """Refuses new executions and asks every running one to be killed (at a shutdown signal)."""
-    interpreter.closing = True
+    """Refuses new executions, empties the warm pool and asks every running one to be killed."""
+    interpreter.close()
     executions.kill_all()
 
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from metaagent.errors import NotFound
 
-State = Literal["queued", "starting", "running", "stopping"]
+State = Literal["starting", "running", "stopping"]
 
 
 def new_execution_id() -> str:
@@ -45,7 +45,7 @@ class Execution:
     memory_mb: int
     caller: str | None = None
     container_id: str | None = None
-    state: State = "queued"
+    state: State = "starting"
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     kill_requested: anyio.Event = field(default_factory=anyio.Event)
 

@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     max_concurrent_executions: int | None = Field(default=None, ge=1)
     execution_queue_size: int = Field(default=32, ge=0)
     kill_grace_s: float = Field(default=5.0, ge=0, le=60)
+    # Warm pool: containers of the default configuration, started ahead of demand (one per slot by default).
+    pool_enabled: bool = True
+    pool_size: int | None = Field(default=None, ge=0, le=64)
 
     # Operations.
     audit_log: Path = Path("metaagent-audit.jsonl")
@@ -75,3 +78,8 @@ class Settings(BaseSettings):
         if self.max_concurrent_executions is not None:
             return self.max_concurrent_executions
         return max(1, int(cpu_count / self.sandbox_cpus))
+
+    def effective_pool_size(self, cpu_count: int) -> int:
+        if not self.pool_enabled:
+            return 0
+        return self.pool_size if self.pool_size is not None else self.effective_concurrency(cpu_count)

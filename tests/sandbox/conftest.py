@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,11 @@ class Service:
     base_url: str
     audit_log: Path
     stderr_path: Path
-    pid: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 120) -> httpx2.Response:
         return httpx2.post(f"{self.base_url}{path}", json=body, timeout=timeout)
@@ -43,23 +49,25 @@ def docker_client() -> Iterator[docker.DockerClient]:
     client.close()
 
 
-@pytest.fixture(scope="session")
-def sandbox_service(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient) -> Iterator[Service]:
-    """`metaagent serve` on a free port, with the sandbox image built (or built by `scripts/test` before)."""
-    workdir = tmp_path_factory.mktemp("service")
+@contextmanager
+def running_service(workdir: Path, **env: str) -> Iterator[Service]:
+    """`metaagent serve` on a free port, once the sandbox image is ready (built by `scripts/test` before)."""
     port = free_port()
     stderr_path = workdir / "service.log"
-    env = clean_env(
+    environment = clean_env(
         workdir,
         METAAGENT_SANDBOX_BUILD_ON_START="true",
         ALLOW_HTTP_HOSTS='["127.0.0.1"]',
         OPENAI_API_KEY=HOST_SECRET,
         SERPER_API_KEY=HOST_SECRET,
         METAAGENT_TEST_SECRET=HOST_SECRET,
+        **env,
     )
     with stderr_path.open("w") as stderr:
-        process = subprocess.Popen([*METAAGENT, "serve", "--port", str(port)], cwd=workdir, env=env, stderr=stderr)
-    service = Service(f"http://127.0.0.1:{port}", workdir / "audit.jsonl", stderr_path, process.pid)
+        process = subprocess.Popen(
+            [*METAAGENT, "serve", "--port", str(port)], cwd=workdir, env=environment, stderr=stderr
+        )
+    service = Service(f"http://127.0.0.1:{port}", workdir / "audit.jsonl", stderr_path, process)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -74,8 +82,23 @@ def sandbox_service(tmp_path_factory: pytest.TempPathFactory, docker_client: doc
             time.sleep(0.2)
         yield service
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def sandbox_service(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient) -> Iterator[Service]:
+    """The service as it ships: warm pool on."""
+    with running_service(tmp_path_factory.mktemp("service")) as service:
+        yield service
+
+
+@pytest.fixture(scope="session")
+def cold_service(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient) -> Iterator[Service]:
+    """The service with the warm pool off: every execution creates its container on the request path."""
+    with running_service(tmp_path_factory.mktemp("cold-service"), METAAGENT_POOL_ENABLED="false") as service:
+        yield service
 
 
 @dataclass(frozen=True)
@@ -99,22 +122,64 @@ class Result:
     def timed_out(self) -> bool:
         return bool(self.body.get("timed_out"))
 
+    @property
+    def execution_id(self) -> str:
+        return str(self.body.get("execution_id"))
+
 
 RunJs = Callable[..., Result]
 
 
-@pytest.fixture
-def run_js(sandbox_service: Service) -> RunJs:
-    """Runs code through `POST /tools/code-interpreter` of the real service."""
+def audit_record(service: Service, execution_id: str) -> dict[str, Any]:
+    """The audit record of one execution (written before its response is sent)."""
+    for line in reversed(service.audit_log.read_text().splitlines()):
+        record: dict[str, Any] = json.loads(line)
+        if record.get("execution_id") == execution_id:
+            return record
+    raise AssertionError(f"no audit record for {execution_id}")
+
+
+def wait_for_warm_containers(service: Service, count: int = 1) -> dict[str, Any]:
+    """Waits until the service's pool holds `count` ready containers; returns the pool's health check."""
+    deadline = time.monotonic() + 60
+    while True:
+        pool: dict[str, Any] = service.get("/health").json()["checks"]["warm_pool"]
+        if pool["ready"] >= count:
+            return pool
+        assert time.monotonic() < deadline, f"the warm pool did not fill: {pool}"
+        time.sleep(0.02)
+
+
+def code_runner(service: Service, path: str | None = None) -> RunJs:
+    """Runs code through `POST /tools/code-interpreter`; with `path`, on a warm or cold container for sure."""
 
     def run(code: str, *, stdin: str | None = None, timeout_s: int = 5, **fields: Any) -> Result:
         body: dict[str, Any] = {"code": code, "timeout_s": timeout_s, **fields}
         if stdin is not None:
             body["stdin"] = stdin
-        response = sandbox_service.post("/tools/code-interpreter", body)
-        return Result(response.status_code, response.json())
+        if path == "warm":
+            wait_for_warm_containers(service)
+        response = service.post("/tools/code-interpreter", body)
+        result = Result(response.status_code, response.json())
+        if path is not None and response.status_code == 200:
+            assert audit_record(service, result.execution_id)["container_path"] == path
+        return result
 
     return run
+
+
+@pytest.fixture
+def run_js(sandbox_service: Service) -> RunJs:
+    """Runs code through the real service as it ships (a warm container when one is ready)."""
+    return code_runner(sandbox_service)
+
+
+@pytest.fixture(params=["warm", "cold"])
+def run_js_both(request: pytest.FixtureRequest) -> RunJs:
+    """Runs code on a warm container of the pool, then (second parameter) on a cold one: both must hold."""
+    if request.param == "warm":
+        return code_runner(request.getfixturevalue("sandbox_service"), "warm")
+    return code_runner(request.getfixturevalue("cold_service"), "cold")
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import httpx2
 import pytest
 
 from metaagent.sandbox.image import image_tag
-from tests.sandbox.conftest import HOST_SECRET, Result, RunJs, Service
+from tests.sandbox.conftest import HOST_SECRET, Result, RunJs, Service, audit_record, code_runner
 from tests.test_cli import serving
 
 pytestmark = pytest.mark.docker
@@ -59,42 +59,42 @@ BENIGN = {
 
 
 @pytest.mark.parametrize("name", sorted(BENIGN))
-def test_benign_program_works(run_js: RunJs, name: str) -> None:
+def test_benign_program_works(run_js_both: RunJs, name: str) -> None:
     code, expected = BENIGN[name]
-    result = run_js(code)
+    result = run_js_both(code)
     assert result.status == 200, result.body
     assert result.stdout == expected, result.stderr
     assert result.exit_code == 0
     assert result.body["timed_out"] is False
 
 
-def test_stdin_reaches_the_program(run_js: RunJs) -> None:
+def test_stdin_reaches_the_program(run_js_both: RunJs) -> None:
     code = """
     const lines = [];
     require('readline').createInterface({input: process.stdin})
       .on('line', (l) => lines.push(l.toUpperCase()))
       .on('close', () => console.log(lines.join(',')));
     """
-    assert run_js(code, stdin="one\ntwo\nthree\n").stdout == "ONE,TWO,THREE\n"
+    assert run_js_both(code, stdin="one\ntwo\nthree\n").stdout == "ONE,TWO,THREE\n"
 
 
-def test_thrown_error_is_a_200_with_nonzero_exit_and_the_stack(run_js: RunJs) -> None:
-    result = run_js("function f() { throw new TypeError('boom') }\nf()")
+def test_thrown_error_is_a_200_with_nonzero_exit_and_the_stack(run_js_both: RunJs) -> None:
+    result = run_js_both("function f() { throw new TypeError('boom') }\nf()")
     assert result.status == 200
     assert result.exit_code == 1
     assert "TypeError: boom" in result.stderr
     assert "/app/main.js:1" in result.stderr
 
 
-def test_process_exit_code_is_reported(run_js: RunJs) -> None:
-    assert run_js("console.log('bye'); process.exit(7)").exit_code == 7
+def test_process_exit_code_is_reported(run_js_both: RunJs) -> None:
+    assert run_js_both("console.log('bye'); process.exit(7)").exit_code == 7
 
 
 @pytest.mark.security
 def test_endless_loop_is_stopped_by_sigterm_at_the_timeout(
-    run_js: RunJs, containers_of: Callable[[str], list[str]]
+    run_js_both: RunJs, containers_of: Callable[[str], list[str]]
 ) -> None:
-    result = run_js("for (;;) {}", timeout_s=1)
+    result = run_js_both("for (;;) {}", timeout_s=1)
     assert result.timed_out
     assert result.exit_code == 143  # SIGTERM, forwarded by dumb-init: the grace period was not needed
     assert result.body["duration_ms"] >= 1000
@@ -102,30 +102,30 @@ def test_endless_loop_is_stopped_by_sigterm_at_the_timeout(
 
 
 @pytest.mark.security
-def test_program_ignoring_sigterm_is_killed_after_the_grace_period(run_js: RunJs) -> None:
-    result = run_js("process.on('SIGTERM', () => console.log('ignoring')); for (;;) {}", timeout_s=1)
+def test_program_ignoring_sigterm_is_killed_after_the_grace_period(run_js_both: RunJs) -> None:
+    result = run_js_both("process.on('SIGTERM', () => console.log('ignoring')); for (;;) {}", timeout_s=1)
     assert result.timed_out
     assert result.exit_code == 137  # SIGKILL
     assert result.body["duration_ms"] >= 6000  # timeout_s + the 5 s grace period
 
 
 @pytest.mark.security
-def test_event_loop_starvation_cannot_dodge_the_timeout(run_js: RunJs) -> None:
-    result = run_js("const spin = () => Promise.resolve().then(spin); spin()", timeout_s=1)
+def test_event_loop_starvation_cannot_dodge_the_timeout(run_js_both: RunJs) -> None:
+    result = run_js_both("const spin = () => Promise.resolve().then(spin); spin()", timeout_s=1)
     assert result.timed_out
 
 
 @pytest.mark.security
-def test_allocation_heavy_program_fails_with_a_heap_error_or_oom(run_js: RunJs) -> None:
-    result = run_js("const keep = []; for (;;) keep.push(new Array(1e6).fill(Math.random()))", memory_mb=64)
+def test_allocation_heavy_program_fails_with_a_heap_error_or_oom(run_js_both: RunJs) -> None:
+    result = run_js_both("const keep = []; for (;;) keep.push(new Array(1e6).fill(Math.random()))")
     assert result.status == 200
     assert result.exit_code != 0
     assert result.body["oom_killed"] or "heap out of memory" in result.stderr
 
 
 @pytest.mark.security
-def test_memory_hog_outside_the_heap_is_oom_killed(run_js: RunJs) -> None:
-    result = run_js("const keep = []; for (;;) keep.push(Buffer.alloc(8 << 20, 1))", memory_mb=64)
+def test_memory_hog_outside_the_heap_is_oom_killed(run_js_both: RunJs) -> None:
+    result = run_js_both("const keep = []; for (;;) keep.push(Buffer.alloc(8 << 20, 1))")
     assert result.body["oom_killed"] is True
     assert result.exit_code == 137
 
@@ -136,9 +136,8 @@ def _rss_kib(pid: int) -> int:
 
 
 @pytest.mark.security
-def test_output_flood_is_truncated_with_a_marker_while_the_service_stays_small(
-    run_js: RunJs, sandbox_service: Service
-) -> None:
+def test_output_flood_is_truncated_with_a_marker_while_the_service_stays_small(sandbox_service: Service) -> None:
+    run_js = code_runner(sandbox_service)  # the RSS measured is this service's
     run_js("console.log('warm-up')")
     before = _rss_kib(sandbox_service.pid)
     # ~200 MB on stdout and stderr, written around any JavaScript wrapper by process._rawDebug too.
@@ -157,16 +156,16 @@ def test_output_flood_is_truncated_with_a_marker_while_the_service_stays_small(
     assert after - before < 64 * 1024  # KiB: the flood was counted, not kept
 
 
-def test_truncation_never_splits_a_character(run_js: RunJs) -> None:
-    result = run_js("process.stdout.write('€'.repeat(40000))")  # 120,000 bytes of 3-byte characters
+def test_truncation_never_splits_a_character(run_js_both: RunJs) -> None:
+    result = run_js_both("process.stdout.write('€'.repeat(40000))")  # 120,000 bytes of 3-byte characters
     kept = result.stdout.split("\n[output truncated")[0]
     assert set(kept) == {"€"}
     assert "\ufffd" not in result.stdout
 
 
 @pytest.mark.security
-def test_environment_holds_no_host_secret(run_js: RunJs) -> None:
-    result = run_js("console.log(JSON.stringify(process.env))")
+def test_environment_holds_no_host_secret(run_js_both: RunJs) -> None:
+    result = run_js_both("console.log(JSON.stringify(process.env))")
     env = json.loads(result.stdout)
     assert HOST_SECRET not in result.stdout
     assert not {"OPENAI_API_KEY", "SERPER_API_KEY", "METAAGENT_TEST_SECRET"} & set(env)
@@ -193,9 +192,9 @@ def test_invalid_fields_get_a_422_naming_the_field(
 
 
 def test_every_execution_gets_a_fresh_container_that_is_removed(
-    run_js: RunJs, containers_of: Callable[[str], list[str]]
+    run_js_both: RunJs, containers_of: Callable[[str], list[str]]
 ) -> None:
-    first, second = run_js("console.log(require('os').hostname())"), run_js("console.log(1)")
+    first, second = run_js_both("console.log(require('os').hostname())"), run_js_both("console.log(1)")
     assert first.body["execution_id"] != second.body["execution_id"]
     assert containers_of(first.body["execution_id"]) == []
     assert containers_of(second.body["execution_id"]) == []
@@ -205,12 +204,10 @@ def _audit_records(service: Service) -> list[dict[str, object]]:
     return [json.loads(line) for line in service.audit_log.read_text().splitlines()]
 
 
-def test_every_execution_writes_an_audit_record_with_its_security_context(
-    run_js: RunJs, sandbox_service: Service
-) -> None:
+def test_every_execution_writes_an_audit_record_with_its_security_context(sandbox_service: Service) -> None:
     code = "console.log('audited')"
-    result = run_js(code)
-    record = next(r for r in _audit_records(sandbox_service) if r.get("execution_id") == result.body["execution_id"])
+    result = code_runner(sandbox_service)(code)
+    record = audit_record(sandbox_service, result.execution_id)
     assert record["event"] == "execution.finished"
     assert record["code_sha256"] == hashlib.sha256(code.encode()).hexdigest()
     assert record["code_bytes"] == len(code)
@@ -230,6 +227,7 @@ def test_every_execution_writes_an_audit_record_with_its_security_context(
     assert record["outcome"]["exit_code"] == 0  # type: ignore[index]
     assert re.fullmatch(r"[0-9a-f]{64}", str(record["container_id"]))
     assert record["limits"] == {"timeout_s": 5, "memory_mb": 256, "cpus": 0.5, "stdout_cap": 51200, "stderr_cap": 25600}
+    assert record["container_path"] in ("warm", "cold")
     assert record["prev_hash"] != record["hash"]
     assert str(record["image"]).startswith("metaagent-sandbox:")
     assert re.fullmatch(r"sha256:[0-9a-f]{64}", str(record["image_id"]))
@@ -352,7 +350,7 @@ def test_shutdown_signal_kills_running_executions_and_exits_0(
         assert running
         assert running[0]["state"] == "running"
         owned = {"label": f"org.metaagent.owner-pid={process.pid}"}
-        assert len(docker_client.containers.list(all=True, filters=owned)) == 1
+        assert running[0]["container_id"] in {c.id for c in docker_client.containers.list(all=True, filters=owned)}
 
         process.send_signal(getattr(signal, signal_name))
         assert process.wait(timeout=60) == 0  # not a speed check: far below the execution's 120 s

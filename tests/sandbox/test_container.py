@@ -32,7 +32,7 @@ def run_raw(sandbox_service: object) -> RunRaw:  # the service fixture guarantee
             execution = Execution(new_execution_id(), int(timeout_s), memory_mb)
             spec = container_spec(execution.execution_id, image_tag(), memory_mb, 0.5, ["/usr/bin/node", "-e", code])
             try:
-                return await execute(engine, spec, b"", execution, timeout_s=timeout_s, grace_s=2)
+                return await execute(engine, spec, b"", execution, timeout_s=timeout_s, grace_s=2, ready_marker=b"")
             finally:
                 engine.close()
 

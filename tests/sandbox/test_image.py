@@ -18,6 +18,7 @@ import docker.errors
 import pytest
 
 from metaagent.sandbox import image as sandbox_image
+from metaagent.sandbox.execute import RUNNER_READY
 from metaagent.sandbox.image import IMAGE_LABEL, RUNNER_PATH, build_image, image_present, image_tag
 
 pytestmark = pytest.mark.docker
@@ -111,7 +112,8 @@ def run_raw(client: docker.DockerClient, tag: str, data: bytes, *, close_stdin: 
             received.extend(chunk)
         status = client.api.wait(container_id, timeout=RUN_TIMEOUT)
         stdout, stderr = _demultiplex(bytes(received))
-        return Run(int(status["StatusCode"]), stdout.decode(), stderr.decode())
+        assert stderr.startswith(RUNNER_READY), stderr  # the runner's first word, before it reads a byte
+        return Run(int(status["StatusCode"]), stdout.decode(), stderr.removeprefix(RUNNER_READY).decode())
     finally:
         if attached is not None:
             attached._sock.close()

@@ -21,6 +21,10 @@ from metaagent.sandbox.output import CappedBuffer, Demultiplexer
 
 STDOUT_CAP = 50 * 1024
 STDERR_CAP = 25 * 1024
+# The runner's first write, on stderr, once node and the module gate are loaded (runner.js says the same).
+RUNNER_READY = b"metaagent-runner: ready\n"
+# How long a runner may take to load: far more than it needs on a loaded machine, and still a bound.
+START_TIMEOUT_S = 60.0
 # After SIGKILL the engine reports the exit within milliseconds; this only bounds a misbehaving engine.
 _EXIT_AFTER_KILL_S = 30.0
 _DRAIN_AFTER_EXIT_S = 5.0
@@ -58,6 +62,52 @@ async def _first(*events: anyio.Event) -> None:
             group.start_soon(wait_for, event)
 
 
+@dataclass
+class Prepared:
+    """A created container, its attach socket and the reader of its output; `started` once started."""
+
+    container_id: str
+    sock: socket.socket
+    output: Demultiplexer
+    started: bool
+
+    async def read_some(self) -> bool:
+        """Reads what the stream has (waiting for it); False at the end of the stream."""
+        try:
+            chunk = await sock_recv(self.sock, 65536)
+        except OSError:
+            return False  # the engine closed the stream under us: the container is gone
+        self.output.feed(chunk)
+        return bool(chunk)
+
+
+async def prepare(engine: Engine, spec: ContainerSpec, *, start: bool, ready_marker: bytes = RUNNER_READY) -> Prepared:
+    """Creates and attaches (and with `start`, starts) a container; removes it again if that fails."""
+    with anyio.CancelScope(shield=True):  # a create abandoned halfway would leave a container nobody knows
+        container_id = await engine.create(spec)
+    sock: socket.socket | None = None
+    try:
+        sock = await engine.attach(container_id)
+        if start:
+            await engine.start(container_id)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        with anyio.CancelScope(shield=True):
+            await engine.remove(container_id)
+        raise
+    return Prepared(container_id, sock, Demultiplexer(STDOUT_CAP, STDERR_CAP, ready_marker), started=start)
+
+
+async def wait_ready(prepared: Prepared) -> bool:
+    """Reads until the runner says it is ready for its payload; False if it failed or the stream ended."""
+    with anyio.move_on_after(START_TIMEOUT_S):
+        while not prepared.output.ready and not prepared.output.start_failed:
+            if not await prepared.read_some():
+                break
+    return prepared.output.ready
+
+
 async def execute(
     engine: Engine,
     spec: ContainerSpec,
@@ -66,69 +116,80 @@ async def execute(
     *,
     timeout_s: float,
     grace_s: float,
+    prepared: Prepared | None = None,
+    ready_marker: bytes = RUNNER_READY,
 ) -> Outcome:
+    """Runs one payload in `prepared` (a warm container) or in a container created now from `spec`.
+
+    Either way the container serves this execution only and is removed before this returns.
+    """
     execution.state = "starting"
-    container_id = await engine.create(spec)
-    execution.container_id = container_id
+    if prepared is None:
+        prepared = await prepare(engine, spec, start=False, ready_marker=ready_marker)
+    execution.container_id = prepared.container_id
     try:
-        return await _run(engine, container_id, data, execution, timeout_s=timeout_s, grace_s=grace_s)
+        return await _run(engine, prepared, data, execution, timeout_s=timeout_s, grace_s=grace_s)
     finally:
+        prepared.sock.close()
         with anyio.CancelScope(shield=True):
-            await engine.remove(container_id)
+            await engine.remove(prepared.container_id)
 
 
 async def _run(
-    engine: Engine, container_id: str, data: bytes, execution: Execution, *, timeout_s: float, grace_s: float
+    engine: Engine, prepared: Prepared, data: bytes, execution: Execution, *, timeout_s: float, grace_s: float
 ) -> Outcome:
-    output = Demultiplexer(STDOUT_CAP, STDERR_CAP)
-    exited, drained = anyio.Event(), anyio.Event()
+    container_id, sock, output = prepared.container_id, prepared.sock, prepared.output
+    exited, settled, drained = anyio.Event(), anyio.Event(), anyio.Event()
     status: list[int] = []
-    sock = await engine.attach(container_id)
-    try:
+    if not prepared.started:
         await engine.start(container_id)
 
-        async def watch_exit() -> None:
-            status.append(await engine.wait(container_id))
-            exited.set()
+    async def watch_exit() -> None:
+        status.append(await engine.wait(container_id))
+        exited.set()
 
-        async def pump() -> None:
+    async def pump() -> None:
+        try:
+            while await prepared.read_some():
+                if output.ready or output.start_failed:
+                    settled.set()
+        finally:
+            drained.set()
+
+    timed_out = killed = False
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch_exit)
+        group.start_soon(pump)
+        if not output.ready:  # a cold container: the clock starts once its runner waits for the code
+            with anyio.move_on_after(START_TIMEOUT_S):
+                await _first(settled, exited, drained, execution.kill_requested)
+        if output.ready:  # otherwise the runner failed to start: its exit and stderr say why
             try:
-                while chunk := await sock_recv(sock, 65536):
-                    output.feed(chunk)
+                await sock_sendall(sock, data)
+                sock.shutdown(socket.SHUT_WR)  # EOF on the container's stdin
             except OSError:
-                pass  # the engine closed the stream under us: the container is gone
-            finally:
-                drained.set()
-
-        timed_out = killed = False
-        async with anyio.create_task_group() as group:
-            group.start_soon(watch_exit)
-            group.start_soon(pump)
-            await sock_sendall(sock, data)
-            sock.shutdown(socket.SHUT_WR)  # EOF on the container's stdin
-            started = time.monotonic()
-            execution.state = "running"
-            with anyio.move_on_after(timeout_s):
+                pass  # the container ended already
+        started = time.monotonic()
+        execution.state = "running"
+        with anyio.move_on_after(timeout_s):
+            await _first(exited, execution.kill_requested)
+        if execution.kill_requested.is_set() and not exited.is_set():
+            killed = True
+            await engine.kill(container_id, "SIGKILL")
+        elif not exited.is_set():
+            timed_out = True
+            execution.state = "stopping"
+            await engine.kill(container_id, "SIGTERM")
+            with anyio.move_on_after(grace_s):
                 await _first(exited, execution.kill_requested)
-            if execution.kill_requested.is_set() and not exited.is_set():
-                killed = True
+            if not exited.is_set():
                 await engine.kill(container_id, "SIGKILL")
-            elif not exited.is_set():
-                timed_out = True
-                execution.state = "stopping"
-                await engine.kill(container_id, "SIGTERM")
-                with anyio.move_on_after(grace_s):
-                    await _first(exited, execution.kill_requested)
-                if not exited.is_set():
-                    await engine.kill(container_id, "SIGKILL")
-            with anyio.move_on_after(_EXIT_AFTER_KILL_S):
-                await exited.wait()
-            duration_ms = int((time.monotonic() - started) * 1000)
-            with anyio.move_on_after(_DRAIN_AFTER_EXIT_S):
-                await drained.wait()
-            group.cancel_scope.cancel()
-    finally:
-        sock.close()
+        with anyio.move_on_after(_EXIT_AFTER_KILL_S):
+            await exited.wait()
+        duration_ms = int((time.monotonic() - started) * 1000)
+        with anyio.move_on_after(_DRAIN_AFTER_EXIT_S):
+            await drained.wait()
+        group.cancel_scope.cancel()
     state = await engine.state(container_id)
     exit_code = status[0] if status else state.exit_code
     return Outcome(

@@ -60,14 +60,41 @@ def _char_length(lead: int) -> int:
 
 
 class Demultiplexer:
-    """Feeds raw stream bytes in; routes each frame's payload to the stdout or stderr buffer."""
+    """Feeds raw stream bytes in; routes each frame's payload to the stdout or stderr buffer.
 
-    def __init__(self, stdout_cap: int, stderr_cap: int) -> None:
+    With `ready_marker`, the stream must begin with those bytes on stderr (the runner's word that node
+    is loaded and waiting for its payload, written before any user code exists): they are taken off
+    the stream and set `ready`. Anything else first means the runner failed to start (`start_failed`);
+    what it printed is then kept as output, so the reason is visible.
+    """
+
+    def __init__(self, stdout_cap: int, stderr_cap: int, ready_marker: bytes = b"") -> None:
         self.stdout = CappedBuffer(stdout_cap)
         self.stderr = CappedBuffer(stderr_cap)
         self._pending = bytearray()
         self._stream = 0
         self._remaining = 0
+        self._marker = ready_marker
+        self._preamble = bytearray()
+        self.ready = not ready_marker
+        self.start_failed = False
+
+    def _route(self, stream: int, data: bytes) -> None:
+        if not self.ready and not self.start_failed:
+            if stream == STDERR:
+                room = len(self._marker) - len(self._preamble)
+                self._preamble += data[:room]
+                data = data[room:]
+                if not self._marker.startswith(self._preamble):
+                    self.start_failed = True
+                    self.stderr.add(bytes(self._preamble))
+                elif len(self._preamble) == len(self._marker):
+                    self.ready = True
+            else:
+                self.start_failed = True
+            if not data:
+                return
+        (self.stderr if stream == STDERR else self.stdout).add(data)
 
     def feed(self, data: bytes) -> None:
         view = memoryview(data)
@@ -84,5 +111,4 @@ class Demultiplexer:
             chunk = view[: self._remaining]
             view = view[len(chunk) :]
             self._remaining -= len(chunk)
-            target = self.stderr if self._stream == STDERR else self.stdout
-            target.add(bytes(chunk))
+            self._route(self._stream, bytes(chunk))

@@ -19,11 +19,13 @@ from metaagent.errors import AtCapacity, MetaAgentError, RequestRefused, Unavail
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
 from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, payload
+from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
 
 log = logging.getLogger("metaagent.code_interpreter")
 
 MAX_CODE_BYTES = 1024 * 1024
+DEFAULT_MEMORY_MB = 256
 RUNNER = "/opt/metaagent/runner.js"
 
 
@@ -47,7 +49,7 @@ class CodeInterpreterRequest(BaseModel):
 
     code: str = Field(min_length=1, max_length=MAX_CODE_BYTES, description="JavaScript source (CommonJS).")
     timeout_s: int = Field(default=8, ge=1, le=300, description="Wall-clock limit in seconds.")
-    memory_mb: int = Field(default=256, ge=64, le=1024, description="Memory limit in MiB (no swap).")
+    memory_mb: int = Field(default=DEFAULT_MEMORY_MB, ge=64, le=1024, description="Memory limit in MiB (no swap).")
     packages: list[str] = Field(
         default_factory=list, max_length=16, description="npm packages from the package allow-list."
     )
@@ -131,6 +133,7 @@ class CodeInterpreter:
         queue_size: int,
         cpus: float,
         grace_s: float,
+        pool_size: int = 0,
     ) -> None:
         self.engine = engine
         self.image = image
@@ -139,7 +142,19 @@ class CodeInterpreter:
         self.admission = Admission(capacity, queue_size)
         self.cpus = cpus
         self.grace_s = grace_s
+        self.pool = WarmPool(
+            engine,
+            image,
+            size=pool_size,
+            memory_mb=DEFAULT_MEMORY_MB,
+            make_spec=lambda execution_id, tag: container_spec(execution_id, tag, DEFAULT_MEMORY_MB, cpus),
+        )
         self.closing = False
+
+    def close(self) -> None:
+        """Refuses new executions and stops refilling the pool (at a shutdown signal)."""
+        self.closing = True
+        self.pool.close()
 
     async def __call__(self, request: CodeInterpreterRequest, caller: str | None = None) -> CodeInterpreterResponse:
         if self.closing:
@@ -152,16 +167,17 @@ class CodeInterpreter:
         if request.network is not None:
             raise RequestRefused("Network access for sandboxed code is not enabled on this service; remove `network`")
         image_ref = await self.image.require()
-        execution = Execution(new_execution_id(), request.timeout_s, request.memory_mb, caller=caller)
-        self.registry.add(execution)
-        started_at = datetime.now(UTC)
-        spec = container_spec(execution.execution_id, image_ref, request.memory_mb, self.cpus)
         outcome: Outcome | None = None
         error: str | None = None
-        try:
-            async with self.admission.slot() as queued_s:
-                if self.closing:  # the service began to stop while this execution was queued
-                    raise Unavailable("The service is shutting down; retry on another instance")
+        async with self.admission.slot() as queued_s:
+            if self.closing:  # the service began to stop while this execution was queued
+                raise Unavailable("The service is shutting down; retry on another instance")
+            warm = self._take_warm(request, image_ref)
+            execution_id = warm.execution_id if warm else new_execution_id()
+            execution = Execution(execution_id, request.timeout_s, request.memory_mb, caller=caller)
+            spec = warm.spec if warm else container_spec(execution_id, image_ref, request.memory_mb, self.cpus)
+            self.registry.add(execution)
+            try:
                 outcome = await execute(
                     self.engine,
                     spec,
@@ -169,13 +185,14 @@ class CodeInterpreter:
                     execution,
                     timeout_s=request.timeout_s,
                     grace_s=self.grace_s,
+                    prepared=warm.prepared if warm else None,
                 )
-        except MetaAgentError as exc:
-            error = exc.message
-            raise
-        finally:
-            self.registry.discard(execution)
-            self._audit(request, execution, spec, started_at, outcome, error)
+            except MetaAgentError as exc:
+                error = exc.message
+                raise
+            finally:
+                self.registry.discard(execution)
+                self._audit(request, execution, spec, warm is not None, outcome, error)
         return CodeInterpreterResponse(
             execution_id=execution.execution_id,
             exit_code=outcome.exit_code,
@@ -190,12 +207,18 @@ class CodeInterpreter:
             queued_ms=int(queued_s * 1000),
         )
 
+    def _take_warm(self, request: CodeInterpreterRequest, image_ref: str) -> Warm | None:
+        """A pooled container when the request is for the pool's configuration (and one is ready)."""
+        if request.memory_mb != self.pool.memory_mb or request.packages or request.network is not None:
+            return None
+        return self.pool.take(image_ref)
+
     def _audit(
         self,
         request: CodeInterpreterRequest,
         execution: Execution,
         spec: ContainerSpec,
-        started_at: datetime,
+        warm: bool,
         outcome: Outcome | None,
         error: str | None,
     ) -> None:
@@ -218,7 +241,7 @@ class CodeInterpreter:
             "execution.finished",
             execution_id=execution.execution_id,
             caller=execution.caller,
-            started_at=started_at.isoformat(timespec="milliseconds"),
+            started_at=execution.started_at.isoformat(timespec="milliseconds"),
             finished_at=datetime.now(UTC).isoformat(timespec="milliseconds"),
             code_sha256=hashlib.sha256(code).hexdigest(),
             code_bytes=len(code),
@@ -233,6 +256,7 @@ class CodeInterpreter:
             packages=request.packages,
             network=request.network.model_dump() if request.network else None,
             container_id=execution.container_id,
+            container_path="warm" if warm else "cold",
             image=spec.image,
             image_id=self.image.image_id,
             security=spec.security_context(),

@@ -148,6 +148,11 @@ function runUserModule(code) {
   userModule.loaded = true;
 }
 
+// Node and the gate are loaded: tell the host, which starts the execution's clock (and, for a warm
+// container, hands it out) only now. No user code exists yet, so no user code can forge this line.
+// The same bytes are RUNNER_READY in sandbox/execute.py.
+realStderr.write('metaagent-runner: ready\n');
+
 readPayload((code, input) => {
   // A fresh macrotask, so the user's stack traces do not start inside the stdin stream's internals.
   defer(() => {

@@ -1,0 +1,172 @@
+"""Warm containers: fresh, single-use sandboxes started ahead of demand.
+
+Starting a container and node inside it is most of a small execution's latency. The pool pays that in
+the background: each pooled container is created, attached and started with the production spec, and
+its runner loads node and the module gate and then waits, idle, for the payload on stdin. An execution
+takes one, hands it the code and removes it afterwards, exactly as on the cold path; nothing goes back
+into the pool. So the pool changes when a container starts, never what runs in it or how often it is
+used.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import TaskGroup
+
+from metaagent.errors import Unavailable
+from metaagent.executions import new_execution_id
+from metaagent.sandbox.engine import ContainerSpec, Engine
+from metaagent.sandbox.execute import Prepared, prepare, wait_ready
+from metaagent.sandbox.provision import SandboxImage
+
+log = logging.getLogger("metaagent.pool")
+
+# Container starts are CPU-bound in the engine; more in parallel would only slow the executions running.
+_PARALLEL_STARTS = 2
+_MAX_BACKOFF_S = 5.0
+
+
+@dataclass(frozen=True)
+class Warm:
+    """A started container whose runner waits for its one payload, and the execution id it was made for."""
+
+    execution_id: str
+    spec: ContainerSpec
+    prepared: Prepared
+
+
+def _still_waiting(warm: Warm) -> bool:
+    """A waiting runner writes nothing after its ready line; more output or EOF means it died."""
+    readable, _, _ = select.select([warm.prepared.sock], [], [], 0)
+    return not readable
+
+
+class WarmPool:
+    """Keeps `size` warm containers of `make_spec`'s configuration while the service runs."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        image: SandboxImage,
+        *,
+        size: int,
+        memory_mb: int,
+        make_spec: Callable[[str, str], ContainerSpec],
+    ) -> None:
+        self.engine = engine
+        self.image = image
+        self.size = size
+        self.memory_mb = memory_mb  # the one configuration served warm; other requests take the cold path
+        self._make_spec = make_spec
+        self._ready: deque[Warm] = deque()
+        self._starting = 0
+        self._changed = anyio.Event()
+        self._failures = 0
+        self._retry_at = 0.0
+        self._group: TaskGroup | None = None
+        self.closed = False
+        self.stopped = anyio.Event()  # set once closed and empty
+        self._running = False
+        self.served = 0
+
+    @property
+    def ready(self) -> int:
+        return len(self._ready)
+
+    def take(self, image_tag: str) -> Warm | None:
+        """A warm container for one execution, or None (the caller takes the cold path)."""
+        while self._ready and not self.closed:
+            warm = self._ready.popleft()
+            self._wake()
+            if warm.spec.image == image_tag and _still_waiting(warm):
+                self.served += 1
+                return warm
+            self._discard(warm)  # an image rebuilt since, or a runner that died while it waited
+        return None
+
+    async def run(self) -> None:
+        """Refills the pool until `close`; removes the containers it still holds on the way out."""
+        self._running = True
+        try:
+            async with anyio.create_task_group() as group:
+                self._group = group
+                while not self.closed:
+                    wait_s = self._retry_at - time.monotonic()
+                    if wait_s <= 0 and self.ready + self._starting < self.size and self._starting < _PARALLEL_STARTS:
+                        self._starting += 1
+                        group.start_soon(self._add_one)
+                        continue
+                    self._changed = anyio.Event()
+                    with anyio.move_on_after(max(wait_s, 0) or None):
+                        await self._changed.wait()
+                # Starts in flight finish (and see `closed`): one cut off halfway would leave its container.
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._drain()
+            self.stopped.set()
+
+    def close(self) -> None:
+        """Stops refilling and hands out nothing more; `run` then removes what the pool holds."""
+        self.closed = True
+        self._wake()
+        if not self._running:
+            self.stopped.set()
+
+    async def _add_one(self) -> None:
+        try:
+            warm = await self._start_one()
+            if warm is not None and self.closed:
+                await self._remove(warm)
+            elif warm is not None:
+                self._ready.append(warm)
+        finally:
+            self._starting -= 1
+            self._wake()
+
+    async def _start_one(self) -> Warm | None:
+        try:
+            tag = await self.image.require()
+            execution_id = new_execution_id()
+            spec = self._make_spec(execution_id, tag)
+            prepared = await prepare(self.engine, spec, start=True)
+            if not await wait_ready(prepared):
+                await self._remove(Warm(execution_id, spec, prepared))
+                raise Unavailable(f"the runner did not start: {prepared.output.stderr.text()[:300]!r}")
+        except Exception as exc:  # a background worker: whatever failed, back off and try again
+            self._failures += 1
+            self._retry_at = time.monotonic() + min(_MAX_BACKOFF_S, 0.25 * 2**self._failures)
+            if self._failures == 1:
+                reason = exc.message if isinstance(exc, Unavailable) else repr(exc)
+                log.warning("the warm pool cannot start containers (%s); retrying in the background", reason)
+            return None
+        if self._failures:
+            log.info("the warm pool is starting containers again")
+        self._failures = 0
+        return Warm(execution_id, spec, prepared)
+
+    def _discard(self, warm: Warm) -> None:
+        if self._group is not None:
+            self._group.start_soon(self._remove, warm)
+
+    async def _remove(self, warm: Warm) -> None:
+        warm.prepared.sock.close()
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.engine.remove(warm.prepared.container_id)
+            except Unavailable as exc:
+                log.warning("could not remove warm container %s: %s", warm.prepared.container_id[:12], exc.message)
+
+    async def _drain(self) -> None:
+        async with anyio.create_task_group() as group:
+            while self._ready:
+                group.start_soon(self._remove, self._ready.popleft())
+
+    def _wake(self) -> None:
+        self._changed.set()

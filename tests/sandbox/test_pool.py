@@ -1,0 +1,103 @@
+"""The warm pool's correctness (not its speed, which bench/ measures): single use, limits, queue, refill."""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import docker
+import docker.errors
+import pytest
+
+from tests.sandbox.conftest import Service, audit_record, code_runner, running_service, wait_for_warm_containers
+
+pytestmark = pytest.mark.docker
+
+SLOW_PRINT = "setTimeout(() => console.log('ok'), 1500)"
+
+
+def owned_containers(client: docker.DockerClient, service: Service) -> list[str]:
+    found = client.containers.list(all=True, filters={"label": f"org.metaagent.owner-pid={service.pid}"})
+    return [c.id for c in found]
+
+
+def test_each_warm_container_serves_one_execution_and_is_gone_afterwards(
+    sandbox_service: Service, docker_client: docker.DockerClient
+) -> None:
+    run = code_runner(sandbox_service, "warm")  # asserts that each execution took a warm container
+    results = [run("console.log(1)") for _ in range(5)]
+    containers = [audit_record(sandbox_service, r.execution_id)["container_id"] for r in results]
+    assert len(set(containers)) == len(containers)
+    for container_id in containers:
+        with pytest.raises(docker.errors.NotFound):
+            docker_client.containers.get(container_id)
+
+
+def test_a_warm_execution_gets_its_whole_timeout_however_long_the_container_waited(sandbox_service: Service) -> None:
+    wait_for_warm_containers(sandbox_service)
+    time.sleep(2)  # the ready containers have now waited longer than the whole timeout below
+    result = code_runner(sandbox_service, "warm")("setTimeout(() => console.log('in time'), 500)", timeout_s=1)
+    assert result.timed_out is False
+    assert result.stdout == "in time\n"
+
+
+@pytest.mark.security
+def test_a_warm_container_has_the_cold_ones_security_context(sandbox_service: Service, cold_service: Service) -> None:
+    warm = code_runner(sandbox_service, "warm")("console.log(1)")
+    cold = code_runner(cold_service, "cold")("console.log(1)")
+    warm_record, cold_record = (
+        audit_record(sandbox_service, warm.execution_id),
+        audit_record(cold_service, cold.execution_id),
+    )
+    assert warm_record["security"] == cold_record["security"]
+    assert warm_record["limits"] == cold_record["limits"]
+
+
+def test_the_queue_answers_429_when_full_and_serves_everything_it_accepted(tmp_path: Path) -> None:
+    settings = {"METAAGENT_MAX_CONCURRENT_EXECUTIONS": "1", "METAAGENT_EXECUTION_QUEUE_SIZE": "2"}
+    with running_service(tmp_path, **settings) as service, ThreadPoolExecutor(6) as threads:
+        body = {"code": SLOW_PRINT, "timeout_s": 2}
+        responses = list(threads.map(lambda _: service.post("/tools/code-interpreter", body), range(6)))
+    served = [r.json() for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(served) == 3  # one running, two queued
+    assert len(refused) == 3
+    for response in refused:
+        assert int(response.headers["Retry-After"]) >= 1
+        assert response.json()["error"].startswith("At capacity")
+    for body in served:
+        assert body["stdout"] == "ok\n", body
+        assert body["timed_out"] is False  # up to 3 s in the queue did not count against timeout_s: 2
+    assert sorted(b["queued_ms"] for b in served)[1:] >= [1000, 1000]  # the queued two waited for a 1.5 s run
+
+
+def test_the_pool_refills_after_a_burst_and_is_emptied_at_shutdown(
+    tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    with running_service(tmp_path, METAAGENT_POOL_SIZE="2") as service:
+        wait_for_warm_containers(service, 2)
+        with ThreadPoolExecutor(4) as threads:
+            body = {"code": "console.log('burst')", "timeout_s": 5}
+            responses = list(threads.map(lambda _: service.post("/tools/code-interpreter", body), range(4)))
+        assert [r.status_code for r in responses] == [200] * 4
+        paths = [audit_record(service, r.json()["execution_id"])["container_path"] for r in responses]
+        assert paths.count("warm") >= 2  # the two that were ready were used
+        pool = wait_for_warm_containers(service, 2)
+        assert pool["size"] == 2
+        assert pool["served"] == paths.count("warm")
+        assert len(owned_containers(docker_client, service)) == 2  # just the refilled pool: nothing left over
+
+        service.process.send_signal(signal.SIGTERM)
+        assert service.process.wait(timeout=60) == 0
+        assert owned_containers(docker_client, service) == []
+
+
+def test_no_pool_when_it_is_off(tmp_path: Path, docker_client: docker.DockerClient) -> None:
+    with running_service(tmp_path, METAAGENT_POOL_ENABLED="false") as service:
+        result = code_runner(service, "cold")("console.log('cold')")
+        pool = service.get("/health").json()["checks"]["warm_pool"]
+        assert result.stdout == "cold\n"
+        assert pool == {"ok": True, "ready": 0, "size": 0, "served": 0}
+        assert owned_containers(docker_client, service) == []
