@@ -47,7 +47,7 @@ class SandboxImage:
             self.image_id = await anyio.to_thread.run_sync(self._build, abandon_on_cancel=True)
             self.error = None
             log.info("sandbox image %s is ready", self.tag)
-        except (ImageBuildError, EngineUnavailable) as exc:
+        except (ImageBuildError, EngineUnavailable, OSError) as exc:  # OSError: a full or read-only disk
             self.error = f"The sandbox image could not be built: {exc}"
             log.error("%s", self.error)
         finally:
