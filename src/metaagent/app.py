@@ -17,8 +17,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metaagent import __version__
+from metaagent import __version__, metrics
+from metaagent.access import ExecutionQuota, KeyRing, RequireApiKey, current_caller
 from metaagent.audit import AuditLog
+from metaagent.body_limit import LimitRequestBody
 from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard
 from metaagent.errors import AtCapacity, ClientGone, MetaAgentError, describe_validation_errors
@@ -48,7 +50,13 @@ async def _invoke_http(svc: Services, request: HttpRequest) -> HttpResponse:
 
 
 async def _invoke_code_interpreter(svc: Services, request: CodeInterpreterRequest) -> CodeInterpreterResponse:
-    return await svc.interpreter(request)
+    return await metrics.observe_execution(_execute_as_caller(svc, request))
+
+
+async def _execute_as_caller(svc: Services, request: CodeInterpreterRequest) -> CodeInterpreterResponse:
+    caller = current_caller()  # the API key's id, set by the access check
+    with svc.execution_quota.hold(caller):
+        return await svc.interpreter(request, caller=caller)
 
 
 TOOLS: tuple[ToolSpec, ...] = (
@@ -77,6 +85,7 @@ def services(request: Request) -> Services:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     allowlist = AllowList.parse(settings.allow_http_hosts)  # validation only: a ConfigError stops start-up
+    keys = KeyRing.from_settings(settings)  # read once; only their hashes are kept
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -104,8 +113,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             pool_size=settings.effective_pool_size(os.cpu_count() or 1),
         )
         search, embeddings = SearchTool(guard, settings), EmbeddingsTool(guard, settings)
+        metrics.watch_admission(interpreter.admission)
+        metrics.watch_pool(interpreter.pool)
         app.state.services = Services(
-            settings, allowlist, audit, guard, http, engine, image, executions, interpreter, search, embeddings
+            settings,
+            allowlist,
+            audit,
+            guard,
+            http,
+            engine,
+            image,
+            executions,
+            interpreter,
+            search,
+            embeddings,
+            ExecutionQuota(settings.max_executions_per_key),
         )
         app.state.stop_executions = functools.partial(_begin_stop, interpreter, executions)
         async with anyio.create_task_group() as background:
@@ -131,6 +153,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     _install_error_handlers(app)
+    app.state.keys = keys
+    # Outermost last: the key check runs first, so a caller without a key gets a 401 before any body is read.
+    app.add_middleware(LimitRequestBody, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(RequireApiKey, keys=keys)
+    metrics.add_route(app)
 
     for spec in TOOLS:
         _add_tool_route(app, spec)
@@ -297,7 +324,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+        message = str(exc.detail)
+        # FastAPI's body parser says only "There was an error parsing the body"; its cause says what to fix.
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            message = f"The request body is not valid UTF-8 ({exc.__cause__.reason}); send JSON encoded as UTF-8"
+        elif isinstance(exc.__cause__, RecursionError):
+            message = "The request body nests arrays or objects too deeply to parse; send flatter JSON"
+        return JSONResponse({"error": message}, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:

@@ -88,7 +88,13 @@ def serve(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 3102,
 ) -> None:
     """Start the HTTP service (and the MCP endpoint at /mcp)."""
+    from metaagent.access import check_listen_address
+
     service = _service_app()
+    try:
+        check_listen_address(host, service.state.keys)
+    except ConfigError as exc:
+        raise _fail(f"metaagent: refusing to start: {exc}") from None
     config = uvicorn.Config(service, host=host, port=port, log_config=None, timeout_graceful_shutdown=15)
     GracefulServer(config, service).run()
 

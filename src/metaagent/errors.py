@@ -113,7 +113,17 @@ class ServiceError(MetaAgentError):
 def describe_validation_errors(errors: Iterable[Mapping[str, Any]]) -> tuple[str, list[dict[str, str]]]:
     """The 422 message ("Invalid request: field: problem; ...") and one detail per field, from pydantic's errors."""
     details = [
-        {"field": ".".join(str(p) for p in e["loc"] if p != "body") or "body", "message": str(e["msg"])} for e in errors
+        {"field": "body", "message": _json_problem(e)}
+        if e.get("type") == "json_invalid"  # its loc holds the character offset, not a field
+        else {"field": ".".join(str(p) for p in e["loc"] if p != "body") or "body", "message": str(e["msg"])}
+        for e in errors
     ]
     summary = "; ".join(f"{d['field']}: {d['message']}" for d in details[:5])
     return f"Invalid request: {summary}", details
+
+
+def _json_problem(error: Mapping[str, Any]) -> str:
+    reason = (error.get("ctx") or {}).get("error") or "JSON decode error"
+    offset = error["loc"][-1] if error.get("loc") else None
+    where = f" at character {offset}" if isinstance(offset, int) else ""
+    return f"not valid JSON ({reason}{where}); send a JSON object"

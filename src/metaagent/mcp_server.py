@@ -28,6 +28,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from metaagent import __version__
+from metaagent.access import acting_as, caller_of
 from metaagent.errors import MetaAgentError, describe_validation_errors
 from metaagent.services import Services
 from metaagent.tools import ToolSpec, inline_refs
@@ -57,7 +58,7 @@ def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) ->
     ) -> types.ListToolsResult:
         return types.ListToolsResult(tools=listing)
 
-    async def call_tool(_ctx: ServerRequestContext[Any], params: types.CallToolRequestParams) -> types.CallToolResult:
+    async def call_tool(ctx: ServerRequestContext[Any], params: types.CallToolRequestParams) -> types.CallToolResult:
         spec = by_name.get(params.name)
         if spec is None:
             raise MCPError(types.INVALID_PARAMS, f"Unknown tool: {params.name}; the tools are {', '.join(by_name)}")
@@ -67,7 +68,9 @@ def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) ->
             message, _details = describe_validation_errors(exc.errors())
             return _tool_error(message)
         try:
-            result = await spec.invoke(services(), request)
+            # The session runs in the task of the request that opened it: act as this request's key.
+            with acting_as(caller_of(ctx.request)):
+                result = await spec.invoke(services(), request)
         except MetaAgentError as exc:
             hint = exc.extra.get("hint")
             return _tool_error(f"{exc.message}\nhint: {hint}" if hint else exc.message)

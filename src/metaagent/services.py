@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from metaagent.access import ExecutionQuota
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard
@@ -30,3 +31,4 @@ class Services:
     interpreter: CodeInterpreter
     search: SearchTool
     embeddings: EmbeddingsTool
+    execution_quota: ExecutionQuota

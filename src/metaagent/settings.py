@@ -67,6 +67,13 @@ class Settings(BaseSettings):
     pool_enabled: bool = True
     pool_size: int | None = Field(default=None, ge=0, le=64)
 
+    # Access: API keys (`metaagent.access` parses them), executions one key may have running or queued,
+    # and the largest request body accepted (413 past it, counted while it streams in).
+    api_keys: Annotated[SecretStr | None, NoDecode] = None
+    api_keys_file: Path | None = None
+    max_executions_per_key: int = Field(default=16, ge=1)
+    max_request_body_bytes: int = Field(default=8 * MIB, ge=1024)
+
     # Operations.
     audit_log: Path = Path("metaagent-audit.jsonl")
     log_format: str = Field(default="text", pattern="^(text|json)$")

@@ -86,6 +86,7 @@ def test_the_pool_refills_after_a_burst_and_is_emptied_at_shutdown(
         assert paths.count("warm") >= 2  # the two that were ready were used
         pool = wait_for_warm_containers(service, 2)
         assert pool["size"] == 2
+        assert "metaagent_pool_containers 2.0" in service.get("/metrics").text
         assert pool["served"] == paths.count("warm")
         assert len(owned_containers(docker_client, service)) == 2  # just the refilled pool: nothing left over
 

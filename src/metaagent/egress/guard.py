@@ -28,6 +28,7 @@ import httpcore2
 import httpx2
 from httpcore2._backends.anyio import AnyIOBackend
 
+from metaagent import metrics
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList, canonical_ip
 from metaagent.egress.url import SchemeRefused, Target, parse_url
@@ -84,6 +85,7 @@ class EgressGuard:
 
     def _refuse(self, line: str, tool: str, **fields: Any) -> None:
         security_log.warning("[SECURITY] %s", line)
+        metrics.egress_blocked(tool)
         if self.audit is not None:
             self.audit.append("egress.blocked", tool=tool, **fields)
 

@@ -23,6 +23,7 @@ import requests.exceptions
 from docker.types import LogConfig, Ulimit
 from docker.types import Mount as DockerMount
 
+from metaagent import metrics
 from metaagent.errors import Unavailable
 
 log = logging.getLogger("metaagent.engine")
@@ -97,6 +98,7 @@ def _engine_errors(func: Callable[P, T]) -> Callable[P, T]:
         except docker.errors.NotFound:
             raise
         except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
+            metrics.engine_error()
             raise EngineUnavailable(
                 f"The container engine is unavailable ({_short(exc)}); start it with scripts/ensure-docker"
             ) from exc

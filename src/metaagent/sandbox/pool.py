@@ -71,6 +71,7 @@ class WarmPool:
         self._failures = 0
         self._retry_at = 0.0
         self._group: TaskGroup | None = None
+        self._unremoved: set[str] = set()  # containers whose removal failed (engine down): retried
         self.closed = False
         self.stopped = anyio.Event()  # set once closed and empty
         self._running = False
@@ -98,6 +99,10 @@ class WarmPool:
             async with anyio.create_task_group() as group:
                 self._group = group
                 while not self.closed:
+                    if self._unremoved and self._retry_at <= time.monotonic():
+                        retry, self._unremoved = self._unremoved, set()
+                        for container_id in retry:
+                            group.start_soon(self._remove_container, container_id)
                     wait_s = self._retry_at - time.monotonic()
                     if wait_s <= 0 and self.ready + self._starting < self.size and self._starting < _PARALLEL_STARTS:
                         self._starting += 1
@@ -157,16 +162,25 @@ class WarmPool:
 
     async def _remove(self, warm: Warm) -> None:
         warm.prepared.sock.close()
+        await self._remove_container(warm.prepared.container_id)
+
+    async def _remove_container(self, container_id: str) -> None:
         with anyio.CancelScope(shield=True):
             try:
-                await self.engine.remove(warm.prepared.container_id)
+                await self.engine.remove(container_id)
             except Unavailable as exc:
-                log.warning("could not remove warm container %s: %s", warm.prepared.container_id[:12], exc.message)
+                if not self._unremoved:
+                    log.warning("could not remove warm container %s (%s); will retry", container_id[:12], exc.message)
+                self._unremoved.add(container_id)
+                self._retry_at = max(self._retry_at, time.monotonic() + 1.0)
 
     async def _drain(self) -> None:
         async with anyio.create_task_group() as group:
             while self._ready:
                 group.start_soon(self._remove, self._ready.popleft())
+            retry, self._unremoved = self._unremoved, set()
+            for container_id in retry:
+                group.start_soon(self._remove_container, container_id)
 
     def _wake(self) -> None:
         self._changed.set()

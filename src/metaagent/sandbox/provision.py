@@ -27,6 +27,7 @@ class SandboxImage:
         self.image_id: str | None = None
         self.building = False
         self.error: str | None = None
+        self._build_failure: str | None = None  # kept: a later look-up must not hide why the build failed
 
     async def refresh(self, *, build: bool) -> None:
         """Looks the image up; builds it when missing and `build` is true. Never raises."""
@@ -39,7 +40,8 @@ class SandboxImage:
             self.error = None
             return
         if not build:
-            self.error = f"The sandbox image {self.tag} is missing; build it with `metaagent sandbox build`"
+            missing = f"The sandbox image {self.tag} is missing; build it with `metaagent sandbox build`"
+            self.error = self._build_failure or missing
             return
         self.building = True
         log.info("building the sandbox image %s (about a minute the first time)", self.tag)
@@ -47,8 +49,8 @@ class SandboxImage:
             self.image_id = await anyio.to_thread.run_sync(self._build, abandon_on_cancel=True)
             self.error = None
             log.info("sandbox image %s is ready", self.tag)
-        except (ImageBuildError, EngineUnavailable) as exc:
-            self.error = f"The sandbox image could not be built: {exc}"
+        except (ImageBuildError, EngineUnavailable, OSError) as exc:  # OSError: a full or read-only disk
+            self.error = self._build_failure = f"The sandbox image could not be built: {exc}"
             log.error("%s", self.error)
         finally:
             self.building = False

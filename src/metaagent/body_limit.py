@@ -1,0 +1,78 @@
+"""The request body limit: 413 for bodies larger than `METAAGENT_MAX_REQUEST_BODY_BYTES`.
+
+A declared `Content-Length` past the limit is refused before a byte of the body is read; a body without
+one (chunked) is counted while it streams in and refused as soon as it passes the limit, so no caller
+can make the service hold more than the limit in memory for one request.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` mid-stream. An HTTPException, so FastAPI's body reader passes it on untouched
+    to the app's error handler (which renders it as JSON); other apps (MCP) are answered by the middleware."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, _message(limit))
+
+
+def _message(limit: int) -> str:
+    return f"Request body too large: the limit is {limit} bytes (METAAGENT_MAX_REQUEST_BODY_BYTES)"
+
+
+class LimitRequestBody:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await _reply(send, 413, _message(self.max_bytes))
+            return
+
+        received = 0
+        response_started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        async def watching_send(message: Message) -> None:
+            nonlocal response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, watching_send)
+        except BodyTooLarge:
+            if not response_started:
+                await _reply(send, 413, _message(self.max_bytes))
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit():
+            return int(value)
+    return None
+
+
+async def _reply(send: Send, status: int, message: str) -> None:
+    body = json.dumps({"error": message}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

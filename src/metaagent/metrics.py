@@ -1,0 +1,116 @@
+"""Prometheus metrics, served at `GET /metrics` (behind the API keys when keys are set).
+
+    metaagent_executions_total{outcome}          completed, failed (non-zero exit), timed_out, oom_killed,
+                                                 killed, rejected (429), unavailable (503), refused (400),
+                                                 cancelled (the caller hung up), error
+    metaagent_execution_duration_seconds         histogram of the container's run time (completed runs)
+    metaagent_executions_running                 executions holding a slot now
+    metaagent_executions_queued                  executions waiting for a slot now
+    metaagent_pool_containers                    warm containers ready in the pool
+    metaagent_egress_blocked_total{tool}         outbound requests the egress guard refused
+    metaagent_engine_errors_total                container engine calls that failed (engine down, refused)
+
+Metrics are process-wide (one service per process), on prometheus-client's default registry, which also
+carries the process's own `process_*` metrics (memory, CPU, open files).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Protocol
+
+import anyio
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from starlette.responses import Response
+
+from metaagent.errors import AtCapacity, RequestRefused, Unavailable
+
+if TYPE_CHECKING:
+    from metaagent.tools.code_interpreter import CodeInterpreterResponse
+
+
+class _Pool(Protocol):
+    @property
+    def ready(self) -> int: ...
+
+
+class _Admission(Protocol):
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+
+EXECUTIONS = Counter("metaagent_executions", "Code interpreter executions by how they ended", ["outcome"])
+EXECUTION_DURATION = Histogram(
+    "metaagent_execution_duration_seconds",
+    "Run time of executions that completed (container start to exit)",
+    buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300),
+)
+RUNNING = Gauge("metaagent_executions_running", "Executions holding a slot now")
+QUEUED = Gauge("metaagent_executions_queued", "Executions waiting for a slot now")
+POOL_CONTAINERS = Gauge("metaagent_pool_containers", "Warm sandbox containers ready in the pool")
+EGRESS_BLOCKED = Counter("metaagent_egress_blocked", "Outbound requests refused by the egress guard", ["tool"])
+ENGINE_ERRORS = Counter("metaagent_engine_errors", "Container engine calls that failed")
+
+
+def watch_admission(admission: _Admission) -> None:
+    """The running and queued gauges read this admission when scraped."""
+    RUNNING.set_function(lambda: admission.running)
+    QUEUED.set_function(lambda: admission.waiting)
+
+
+def watch_pool(pool: _Pool) -> None:
+    """The pool gauge reads this pool when scraped."""
+    POOL_CONTAINERS.set_function(lambda: pool.ready)
+
+
+def egress_blocked(tool: str) -> None:
+    EGRESS_BLOCKED.labels(tool=tool).inc()
+
+
+def engine_error() -> None:
+    ENGINE_ERRORS.inc()
+
+
+async def observe_execution(call: Awaitable[CodeInterpreterResponse]) -> CodeInterpreterResponse:
+    """Awaits one execution and counts how it ended."""
+    try:
+        response = await call
+    except anyio.get_cancelled_exc_class():
+        EXECUTIONS.labels(outcome="cancelled").inc()
+        raise
+    except AtCapacity:
+        EXECUTIONS.labels(outcome="rejected").inc()
+        raise
+    except Unavailable:
+        EXECUTIONS.labels(outcome="unavailable").inc()
+        raise
+    except RequestRefused:
+        EXECUTIONS.labels(outcome="refused").inc()
+        raise
+    except Exception:
+        EXECUTIONS.labels(outcome="error").inc()
+        raise
+    EXECUTIONS.labels(outcome=_outcome(response)).inc()
+    EXECUTION_DURATION.observe(response.duration_ms / 1000)
+    return response
+
+
+def _outcome(response: CodeInterpreterResponse) -> str:
+    if response.killed:
+        return "killed"
+    if response.timed_out:
+        return "timed_out"
+    if response.oom_killed:
+        return "oom_killed"
+    return "completed" if response.exit_code == 0 else "failed"
+
+
+def add_route(app: FastAPI) -> None:
+    # An explicit route: mounting prometheus-client's ASGI app would redirect /metrics to /metrics/.
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

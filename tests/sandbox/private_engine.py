@@ -1,0 +1,117 @@
+"""A private Docker engine for fault tests: its own dockerd that a test may stop and start at will.
+
+The shared engine serves every other test (and other xdist workers) at the same time, so it is never
+stopped. This one has its own socket, data root, exec root (hence its own managed containerd), pid file
+and cgroup parent, no bridge and no iptables rules: nothing it does touches the shared engine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import docker
+
+START_TIMEOUT_S = 60
+STOP_TIMEOUT_S = 60
+
+
+class PrivateEngine:
+    def __init__(self, root: Path) -> None:
+        self.root = root  # short: unix socket paths are limited to 107 bytes
+        self.socket = root / "d.sock"
+        self.url = f"unix://{self.socket}"
+        self.process: subprocess.Popen[bytes] | None = None
+        (root / "daemon.json").write_text(json.dumps({}))  # ignore the host's /etc/docker/daemon.json
+
+    def start(self) -> None:
+        dockerd = shutil.which("dockerd") or "/usr/sbin/dockerd"
+        argv = [
+            dockerd,
+            f"--config-file={self.root / 'daemon.json'}",
+            f"--host={self.url}",
+            f"--data-root={self.root / 'data'}",
+            f"--exec-root={self.root / 'x'}",
+            f"--pidfile={self.root / 'd.pid'}",
+            f"--cgroup-parent=metaagent-private-{self.root.name}",
+            "--bridge=none",
+            "--iptables=false",
+            "--ip-forward=false",
+            "--ip-masq=false",
+            "--userland-proxy=false",
+        ]
+        with (self.root / "dockerd.log").open("ab") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=log)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.answers():
+            assert self.process.poll() is None, (self.root / "dockerd.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the private dockerd did not answer"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()  # dockerd stops its containerd and unmounts its layers
+            self.process.wait(timeout=STOP_TIMEOUT_S)
+        self.process = None
+
+    def answers(self) -> bool:
+        # A plain connect first: docker-py leaks the socket of a unix connect that fails.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(5)
+            try:
+                probe.connect(str(self.socket))
+            except OSError:
+                return False
+        try:
+            client = docker.DockerClient(base_url=self.url, version="1.41", timeout=5)
+        except docker.errors.DockerException:
+            return False
+        try:
+            client.ping()
+            return True
+        except (docker.errors.DockerException, OSError):
+            return False
+        finally:
+            client.close()
+
+    def load_image(self, source: docker.DockerClient, tag: str) -> None:
+        """Copies `tag` from the shared engine (docker save | docker load, through the API)."""
+        client = docker.DockerClient(base_url=self.url, version="1.41", timeout=120)
+        try:
+            client.api.load_image(source.api.get_image(tag, chunk_size=1024 * 1024))
+        finally:
+            client.close()
+
+    def containers(self) -> list[str]:
+        client = docker.DockerClient(base_url=self.url, version="1.41", timeout=30)
+        try:
+            return [c.id for c in client.containers.list(all=True)]
+        finally:
+            client.close()
+
+
+@contextmanager
+def private_engine() -> Iterator[PrivateEngine]:
+    root = Path(tempfile.mkdtemp(prefix="mad-", dir="/tmp"))
+    engine = PrivateEngine(root)
+    try:
+        engine.start()
+        yield engine
+    finally:
+        try:
+            if engine.process is None:
+                engine.start()  # remove what the test left, with the engine's own tools
+            client = docker.DockerClient(base_url=engine.url, version="1.41", timeout=30)
+            for container in client.containers.list(all=True):
+                container.remove(force=True)
+            client.close()
+        finally:
+            engine.stop()
+            shutil.rmtree(root, ignore_errors=True)

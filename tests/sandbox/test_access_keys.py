@@ -1,0 +1,67 @@
+"""API keys end to end: the key's id (never the key) is the caller in audit records, and each key has
+its own limit of executions running or queued."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from tests.test_access import ALICE, BOB, BOB_ID, KEYS
+from tests.test_cli import serving
+
+pytestmark = [pytest.mark.docker, pytest.mark.security]
+
+RUN = "/tools/code-interpreter"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_key_ids_are_audited_and_each_key_has_its_own_execution_limit(tmp_path: Path) -> None:
+    long_run = {"code": "console.log('up'); setInterval(() => {}, 1000)", "timeout_s": 60}
+    answers: list[httpx2.Response] = []
+    with serving(tmp_path, METAAGENT_API_KEYS=KEYS, METAAGENT_MAX_EXECUTIONS_PER_KEY="1") as (base, process):
+        first = threading.Thread(
+            target=lambda: answers.append(httpx2.post(f"{base}{RUN}", json=long_run, headers=bearer(ALICE), timeout=90))
+        )
+        first.start()
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                listed = httpx2.get(f"{base}/executions", headers=bearer(ALICE), timeout=30).json()["executions"]
+                if any(e["state"] == "running" for e in listed):
+                    break
+                assert time.monotonic() < deadline, "the first execution did not start"
+                time.sleep(0.1)
+            assert [e["caller"] for e in listed] == ["alice"]
+
+            refused = httpx2.post(f"{base}{RUN}", json={"code": "1"}, headers=bearer(ALICE), timeout=30)
+            assert refused.status_code == 429
+            assert int(refused.headers["Retry-After"]) > 0
+            assert refused.json()["error"].startswith("Key alice already has 1 executions running or queued")
+
+            other = httpx2.post(f"{base}{RUN}", json={"code": "console.log(2)"}, headers=bearer(BOB), timeout=60)
+            assert other.status_code == 200, other.text
+            assert other.json()["stdout"] == "2\n"
+        finally:
+            for execution in httpx2.get(f"{base}/executions", headers=bearer(ALICE), timeout=30).json()["executions"]:
+                httpx2.delete(f"{base}/executions/{execution['execution_id']}", headers=bearer(ALICE), timeout=30)
+            first.join(timeout=90)
+        assert answers[0].status_code == 200
+        assert answers[0].json()["killed"] is True
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+
+    audit_text = (tmp_path / "audit.jsonl").read_text()
+    callers = [json.loads(line)["caller"] for line in audit_text.splitlines() if "execution.finished" in line]
+    assert sorted(callers) == sorted(["alice", BOB_ID])
+    for secret in (ALICE, BOB):
+        assert secret not in audit_text
+        assert secret not in stderr
