@@ -23,6 +23,9 @@ from metaagent.egress.guard import EgressGuard
 from metaagent.errors import AtCapacity, ClientGone, MetaAgentError, describe_validation_errors
 from metaagent.executions import ExecutionInfo, ExecutionList, ExecutionRegistry, KillResult
 from metaagent.mcp_server import build_server, mount_mcp
+from metaagent.packages.install import check_registry
+from metaagent.packages.policy import PackagePolicy
+from metaagent.packages.store import PackageStore, package_store
 from metaagent.sandbox.engine import Engine, EngineUnavailable
 from metaagent.sandbox.provision import SandboxImage
 from metaagent.services import Services
@@ -60,7 +63,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         CodeInterpreterResponse,
         "Run JavaScript in a fresh, isolated container",
         _invoke_code_interpreter,
-        error_statuses=(400, 422, 429, 503),
+        error_statuses=(400, 422, 429, 502, 503, 504),
     ),
     SEARCH,
     EMBEDDINGS,
@@ -75,6 +78,8 @@ def services(request: Request) -> Services:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     allowlist = AllowList.parse(settings.allow_http_hosts)  # validation only: a ConfigError stops start-up
+    package_policy = PackagePolicy.parse(settings.npm_allowed_packages)
+    check_registry(settings.npm_registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,6 +95,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         engine = Engine()
         image = SandboxImage(engine, tag=settings.sandbox_image, cache_dir=settings.sandbox_cache_dir)
         executions = ExecutionRegistry()
+        for entry in package_policy.blocked_entries:
+            log.warning("METAAGENT_NPM_ALLOWED_PACKAGES lists %s, which is on the block list: it stays refused", entry)
+        packages = package_store(settings, package_policy, engine, audit)
         interpreter = CodeInterpreter(
             engine,
             image,
@@ -99,6 +107,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             queue_size=settings.execution_queue_size,
             cpus=settings.sandbox_cpus,
             grace_s=settings.kill_grace_s,
+            packages=packages,
         )
         search, embeddings = SearchTool(guard, settings), EmbeddingsTool(guard, settings)
         app.state.services = Services(
@@ -111,6 +120,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     yield
             finally:
                 await _stop_executions(interpreter, executions)
+                await _remove_package_volumes(packages)
                 await http.aclose()
                 await search.aclose()
                 await embeddings.aclose()
@@ -185,11 +195,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 async def _prepare_sandbox(engine: Engine, image: SandboxImage, build: bool) -> None:
     try:
         removed = await engine.remove_orphans()
+        volumes = await engine.remove_orphan_volumes()
     except EngineUnavailable as exc:
         log.warning("%s", exc.message)
         return
-    if removed:
-        log.warning("removed %d container(s) left by a service that stopped without cleaning up", removed)
+    if removed or volumes:
+        log.warning(
+            "removed %d container(s) and %d package volume(s) left by a service that stopped without cleaning up",
+            removed,
+            volumes,
+        )
     await image.refresh(build=build)
 
 
@@ -199,6 +214,14 @@ async def _stop_executions(interpreter: CodeInterpreter, executions: ExecutionRe
     executions.kill_all()
     with anyio.move_on_after(30):
         await executions.wait_empty()
+
+
+async def _remove_package_volumes(packages: PackageStore) -> None:
+    with anyio.move_on_after(30):
+        try:
+            await packages.close()
+        except EngineUnavailable as exc:
+            log.warning("package volumes were not removed: %s", exc.message)
 
 
 async def _engine_check(engine: Engine) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,9 +16,10 @@ import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
 from metaagent.audit import AuditLog
-from metaagent.errors import AtCapacity, MetaAgentError, RequestRefused, Unavailable
+from metaagent.errors import AtCapacity, MetaAgentError, PackageRefused, RequestRefused, Unavailable
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
-from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine
+from metaagent.packages.store import NO_PACKAGES, PackageStore, PreparedPackages
+from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine, Mount
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, payload
 from metaagent.sandbox.provision import SandboxImage
 
@@ -102,7 +104,12 @@ class Admission:
 
 
 def container_spec(
-    execution_id: str, image: str, memory_mb: int, cpus: float, command: list[str] | None = None
+    execution_id: str,
+    image: str,
+    memory_mb: int,
+    cpus: float,
+    command: list[str] | None = None,
+    mounts: tuple[Mount, ...] = (),
 ) -> ContainerSpec:
     """The container of one execution. `command` replaces the runner only in the tests of the container layer."""
     # Node's heap limit below the container's, so that a hog usually ends with a JavaScript heap
@@ -116,6 +123,7 @@ def container_spec(
         memory_mb=memory_mb,
         cpus=cpus,
         labels={SERVICE_LABEL: "metaagent", EXECUTION_LABEL: execution_id, OWNER_PID_LABEL: str(os.getpid())},
+        mounts=mounts,
     )
 
 
@@ -131,6 +139,7 @@ class CodeInterpreter:
         queue_size: int,
         cpus: float,
         grace_s: float,
+        packages: PackageStore | None = None,
     ) -> None:
         self.engine = engine
         self.image = image
@@ -139,16 +148,13 @@ class CodeInterpreter:
         self.admission = Admission(capacity, queue_size)
         self.cpus = cpus
         self.grace_s = grace_s
+        self.packages = packages
         self.closing = False
 
     async def __call__(self, request: CodeInterpreterRequest, caller: str | None = None) -> CodeInterpreterResponse:
         if self.closing:
             raise Unavailable("The service is shutting down; retry on another instance")
-        if request.packages:
-            raise RequestRefused(
-                f"Package not allowed: {request.packages[0]} (the npm package allow-list is empty)",
-                package=request.packages[0],
-            )
+        dependencies = self._check_packages(request.packages)
         if request.network is not None:
             raise RequestRefused("Network access for sandboxed code is not enabled on this service; remove `network`")
         image_ref = await self.image.require()
@@ -156,10 +162,16 @@ class CodeInterpreter:
         self.registry.add(execution)
         started_at = datetime.now(UTC)
         spec = container_spec(execution.execution_id, image_ref, request.memory_mb, self.cpus)
+        prepared: PreparedPackages | None = None
         outcome: Outcome | None = None
         error: str | None = None
         try:
-            async with self.admission.slot() as queued_s:
+            async with (
+                self._provide_packages(request.packages, dependencies, image_ref) as prepared,
+                self.admission.slot() as queued_s,
+            ):
+                if prepared is not None:
+                    spec = replace(spec, mounts=(prepared.mount(),))
                 outcome = await execute(
                     self.engine,
                     spec,
@@ -173,7 +185,7 @@ class CodeInterpreter:
             raise
         finally:
             self.registry.discard(execution)
-            self._audit(request, execution, spec, started_at, outcome, error)
+            self._audit(request, execution, spec, started_at, outcome, error, prepared)
         return CodeInterpreterResponse(
             execution_id=execution.execution_id,
             exit_code=outcome.exit_code,
@@ -188,6 +200,28 @@ class CodeInterpreter:
             queued_ms=int(queued_s * 1000),
         )
 
+    def _check_packages(self, requested: list[str]) -> dict[str, str]:
+        """The npm dependencies a request's packages come to; a 400 before anything runs otherwise."""
+        if not requested:
+            return {}
+        if self.packages is None:
+            raise PackageRefused(
+                f"Package not allowed: {requested[0]} (packages are not served here: run the service)",
+                package=requested[0],
+                rule="not-allowed",
+            )
+        return self.packages.check(requested)
+
+    @asynccontextmanager
+    async def _provide_packages(
+        self, requested: list[str], dependencies: dict[str, str], image: str
+    ) -> AsyncIterator[PreparedPackages | None]:
+        if not dependencies or self.packages is None:
+            yield None
+            return
+        async with self.packages.provide(requested, dependencies, image) as prepared:
+            yield prepared
+
     def _audit(
         self,
         request: CodeInterpreterRequest,
@@ -196,6 +230,7 @@ class CodeInterpreter:
         started_at: datetime,
         outcome: Outcome | None,
         error: str | None,
+        prepared: PreparedPackages | None,
     ) -> None:
         code = request.code.encode()
         result: dict[str, Any]
@@ -228,7 +263,7 @@ class CodeInterpreter:
                 "stdout_cap": STDOUT_CAP,
                 "stderr_cap": STDERR_CAP,
             },
-            packages=request.packages,
+            packages=prepared.audit_record() if prepared else {**NO_PACKAGES, "requested": request.packages},
             network=request.network.model_dump() if request.network else None,
             container_id=execution.container_id,
             image=spec.image,
