@@ -121,6 +121,10 @@ class NpmInstaller:
             "--no-update-notifier",
             "--logs-max=0",
             "--json",
+            # A refused or failing registry ends the install in seconds instead of npm's backoff of minutes.
+            "--fetch-retries=1",
+            "--fetch-retry-mintimeout=1000",
+            "--fetch-retry-maxtimeout=3000",
             f"--registry={self.registry}",
             f"--userconfig={user_config}",
             f"--globalconfig={global_config}",
