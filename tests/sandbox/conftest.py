@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,22 +44,15 @@ def docker_client() -> Iterator[docker.DockerClient]:
     client.close()
 
 
-@pytest.fixture(scope="session")
-def sandbox_service(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient) -> Iterator[Service]:
-    """`metaagent serve` on a free port, with the sandbox image built (or built by `scripts/test` before)."""
-    workdir = tmp_path_factory.mktemp("service")
+@contextmanager
+def running_service(workdir: Path, **env: str) -> Iterator[Service]:
+    """`metaagent serve` on a free port with `env` on top of the test environment, once the image is ready."""
     port = free_port()
     stderr_path = workdir / "service.log"
-    env = clean_env(
-        workdir,
-        METAAGENT_SANDBOX_BUILD_ON_START="true",
-        ALLOW_HTTP_HOSTS='["127.0.0.1"]',
-        OPENAI_API_KEY=HOST_SECRET,
-        SERPER_API_KEY=HOST_SECRET,
-        METAAGENT_TEST_SECRET=HOST_SECRET,
-    )
     with stderr_path.open("w") as stderr:
-        process = subprocess.Popen([*METAAGENT, "serve", "--port", str(port)], cwd=workdir, env=env, stderr=stderr)
+        process = subprocess.Popen(
+            [*METAAGENT, "serve", "--port", str(port)], cwd=workdir, env=clean_env(workdir, **env), stderr=stderr
+        )
     service = Service(f"http://127.0.0.1:{port}", workdir / "audit.jsonl", stderr_path, process.pid)
     try:
         deadline = time.monotonic() + 300
@@ -76,6 +70,20 @@ def sandbox_service(tmp_path_factory: pytest.TempPathFactory, docker_client: doc
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def sandbox_service(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient) -> Iterator[Service]:
+    """`metaagent serve` on a free port, with the sandbox image built (or built by `scripts/test` before)."""
+    with running_service(
+        tmp_path_factory.mktemp("service"),
+        METAAGENT_SANDBOX_BUILD_ON_START="true",
+        ALLOW_HTTP_HOSTS='["127.0.0.1"]',
+        OPENAI_API_KEY=HOST_SECRET,
+        SERPER_API_KEY=HOST_SECRET,
+        METAAGENT_TEST_SECRET=HOST_SECRET,
+    ) as service:
+        yield service
 
 
 @dataclass(frozen=True)
