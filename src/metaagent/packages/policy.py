@@ -317,7 +317,9 @@ class PackagePolicy:
             except SpecRefused as exc:
                 raise exc.refusal() from None
             if spec.name not in self.entries:
-                where = "is empty" if not self.entries else f"has {', '.join(sorted(self.entries))}"
+                names = sorted(self.entries)
+                more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+                where = f"has {', '.join(names[:20])}{more}" if names else "is empty"
                 raise SpecRefused(
                     text,
                     "not-allowed",

@@ -36,7 +36,7 @@ import anyio
 from metaagent.audit import AuditLog
 from metaagent.errors import PackageRefused
 from metaagent.packages.install import NpmInstaller, ResolvedPackage, archive
-from metaagent.packages.policy import PackagePolicy
+from metaagent.packages.policy import PackagePolicy, shown
 from metaagent.sandbox.engine import OWNER_PID_LABEL, SERVICE_LABEL, Engine, Mount
 from metaagent.settings import Settings
 
@@ -104,9 +104,7 @@ class PackageStore:
             return self.policy.check(requested)
         except PackageRefused as exc:
             spec, rule = str(exc.extra.get("package", "")), str(exc.extra.get("rule", ""))
-            log.warning(
-                "[SECURITY] Blocked npm package: %s (%s)", exc.message.removeprefix("Package not allowed: "), rule
-            )
+            log.warning("[SECURITY] Blocked npm package: %s (%s)", shown(spec), rule)
             self.audit.append("package.refused", package=spec, rule=rule, requested=requested)
             raise
 
