@@ -26,6 +26,9 @@ from metaagent.egress.guard import EgressGuard
 from metaagent.errors import AtCapacity, ClientGone, MetaAgentError, describe_validation_errors
 from metaagent.executions import ExecutionInfo, ExecutionList, ExecutionRegistry, KillResult
 from metaagent.mcp_server import build_server, mount_mcp
+from metaagent.packages.install import check_registry
+from metaagent.packages.policy import PackagePolicy
+from metaagent.packages.store import PackageStore, package_store
 from metaagent.sandbox.engine import Engine, EngineUnavailable
 from metaagent.sandbox.pool import WarmPool
 from metaagent.sandbox.provision import SandboxImage
@@ -70,7 +73,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         CodeInterpreterResponse,
         "Run JavaScript in a fresh, isolated container",
         _invoke_code_interpreter,
-        error_statuses=(400, 422, 429, 503),
+        error_statuses=(400, 422, 429, 502, 503, 504),
     ),
     SEARCH,
     EMBEDDINGS,
@@ -86,6 +89,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     allowlist = AllowList.parse(settings.allow_http_hosts)  # validation only: a ConfigError stops start-up
     keys = KeyRing.from_settings(settings)  # read once; only their hashes are kept
+    package_policy = PackagePolicy.parse(settings.npm_allowed_packages)
+    check_registry(settings.npm_registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -101,6 +106,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         engine = Engine()
         image = SandboxImage(engine, tag=settings.sandbox_image, cache_dir=settings.sandbox_cache_dir)
         executions = ExecutionRegistry()
+        for entry in package_policy.blocked_entries:
+            log.warning("METAAGENT_NPM_ALLOWED_PACKAGES lists %s, which is on the block list: it stays refused", entry)
+        packages = package_store(settings, package_policy, engine, audit)
         interpreter = CodeInterpreter(
             engine,
             image,
@@ -111,6 +119,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             cpus=settings.sandbox_cpus,
             grace_s=settings.kill_grace_s,
             pool_size=settings.effective_pool_size(os.cpu_count() or 1),
+            packages=packages,
         )
         search, embeddings = SearchTool(guard, settings), EmbeddingsTool(guard, settings)
         metrics.watch_admission(interpreter.admission)
@@ -139,6 +148,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await _stop_executions(interpreter, executions)
                 with anyio.move_on_after(30):
                     await interpreter.pool.stopped.wait()
+                await _remove_package_volumes(packages)
                 await http.aclose()
                 await search.aclose()
                 await embeddings.aclose()
@@ -225,11 +235,16 @@ async def _prepare_sandbox(engine: Engine, image: SandboxImage, pool: WarmPool, 
     """Removes what a dead service left, makes sure of the image, then keeps the warm pool filled."""
     try:
         removed = await engine.remove_orphans()
+        volumes = await engine.remove_orphan_volumes()
     except EngineUnavailable as exc:
         log.warning("%s", exc.message)
     else:
-        if removed:
-            log.warning("removed %d container(s) left by a service that stopped without cleaning up", removed)
+        if removed or volumes:
+            log.warning(
+                "removed %d container(s) and %d package volume(s) left by a service that stopped without cleaning up",
+                removed,
+                volumes,
+            )
         await image.refresh(build=build)
     await pool.run()
 
@@ -245,6 +260,14 @@ async def _stop_executions(interpreter: CodeInterpreter, executions: ExecutionRe
     _begin_stop(interpreter, executions)
     with anyio.move_on_after(30):
         await executions.wait_empty()
+
+
+async def _remove_package_volumes(packages: PackageStore) -> None:
+    with anyio.move_on_after(30):
+        try:
+            await packages.close()
+        except EngineUnavailable as exc:
+            log.warning("package volumes were not removed: %s", exc.message)
 
 
 async def _engine_check(engine: Engine) -> dict[str, Any]:

@@ -74,6 +74,13 @@ class Settings(BaseSettings):
     max_executions_per_key: int = Field(default=16, ge=1)
     max_request_body_bytes: int = Field(default=8 * MIB, ge=1024)
 
+    # npm packages for sandboxed code (see metaagent.packages). Unset: the documented default list.
+    npm_allowed_packages: Annotated[str | None, NoDecode] = None
+    npm_registry: str = "https://registry.npmjs.org/"
+    npm_install_timeout_s: float = Field(default=30.0, gt=0, le=300)
+    npm_max_install_mb: int = Field(default=50, ge=1, le=1024)  # the seed's 50 MB app directory
+    npm_cache_max_sets: int = Field(default=32, ge=1)
+
     # Operations.
     audit_log: Path = Path("metaagent-audit.jsonl")
     log_format: str = Field(default="text", pattern="^(text|json)$")

@@ -14,7 +14,8 @@ import anyio
 import pytest
 
 from metaagent.executions import Execution, new_execution_id
-from metaagent.sandbox.engine import Engine
+from metaagent.packages.install import archive
+from metaagent.sandbox.engine import Engine, Mount
 from metaagent.sandbox.execute import Outcome, execute
 from metaagent.sandbox.image import image_tag
 from metaagent.tools.code_interpreter import container_spec
@@ -26,11 +27,12 @@ RunRaw = Callable[..., Outcome]
 
 @pytest.fixture
 def run_raw(sandbox_service: object) -> RunRaw:  # the service fixture guarantees the image is built
-    def run(code: str, *, memory_mb: int = 256, timeout_s: float = 10) -> Outcome:
+    def run(code: str, *, memory_mb: int = 256, timeout_s: float = 10, mounts: tuple[Mount, ...] = ()) -> Outcome:
         async def go() -> Outcome:
             engine = Engine()
             execution = Execution(new_execution_id(), int(timeout_s), memory_mb)
-            spec = container_spec(execution.execution_id, image_tag(), memory_mb, 0.5, ["/usr/bin/node", "-e", code])
+            command = ["/usr/bin/node", "-e", code]
+            spec = container_spec(execution.execution_id, image_tag(), memory_mb, 0.5, mounts, command)
             try:
                 return await execute(engine, spec, b"", execution, timeout_s=timeout_s, grace_s=2, ready_marker=b"")
             finally:
@@ -225,6 +227,62 @@ def test_no_mount_reveals_a_path_of_the_service_or_its_users(run_raw: RunRaw, tm
     text = outcome.stdout.text()
     for host_path in ("/work", "/root", str(tmp_path), "/var/cache/metaagent"):
         assert host_path not in text
+
+
+def test_a_package_volume_reveals_no_path_outside_the_engine_data_root(run_raw: RunRaw, tmp_path: Path) -> None:
+    """Installed packages arrive as a named volume (as the package store makes them): readable by the
+    sandbox user, writable by nobody, and its mount shows only a path under the engine's data root."""
+    tree = tmp_path / "node_modules"
+    (tree / "probe").mkdir(parents=True)
+    (tree / "probe" / "index.js").write_text("module.exports = 'from the volume';")
+    volume = f"metaagent-npm-test-{new_execution_id()}"
+    labels = {"org.metaagent.service": "metaagent-test"}
+
+    async def fill() -> None:
+        engine = Engine()
+        try:
+            await engine.create_volume(volume, labels)
+            await engine.fill_volume(volume, image_tag(), archive(tree, tmp_path / "tree.tar"), labels)
+        finally:
+            engine.close()
+
+    async def remove() -> None:
+        engine = Engine()
+        try:
+            assert await engine.remove_volume(volume)
+        finally:
+            engine.close()
+
+    anyio.run(fill)
+    try:
+        outcome = run_raw(
+            """
+            const fs = require('fs');
+            const lines = fs.readFileSync('/proc/self/mountinfo', 'utf8').trim().split('\\n');
+            const mounts = lines.map((line) => { const f = line.split(' '); return {root: f[3], at: f[4]}; });
+            let write = 'allowed';
+            try { fs.writeFileSync('/app/node_modules/probe/index.js', 'x'); } catch (e) { write = e.code; }
+            const loaded = require('/app/node_modules/probe');
+            console.log(JSON.stringify({mounts, write, loaded, uid: process.getuid()}));
+            """,
+            mounts=(Mount(target="/app/node_modules", source=volume),),
+        )
+    finally:
+        anyio.run(remove)
+    result = report(outcome)
+    assert result["uid"] == 1001
+    assert result["loaded"] == "from the volume"
+    assert result["write"] == "EROFS"
+    package_mount = next(m for m in result["mounts"] if m["at"] == "/app/node_modules")
+    assert package_mount["root"] == f"/var/lib/docker/volumes/{volume}/_data"
+    for mount in result["mounts"]:
+        assert (
+            mount["root"] == "/"
+            or mount["root"].startswith("/var/lib/docker/")
+            or mount["at"].startswith(("/proc", "/sys", "/dev"))
+        ), mount
+    for host_path in ("/work", "/root", str(tmp_path), "/var/cache/metaagent"):
+        assert host_path not in outcome.stdout.text()
 
 
 def test_kill_of_a_container_that_already_exited_is_harmless() -> None:

@@ -14,6 +14,7 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, ParamSpec, TypeVar
 
 import anyio
@@ -273,6 +274,62 @@ class Engine:
                 continue
             await self.remove(container["Id"])
             removed += 1
+        return removed
+
+    async def create_volume(self, name: str, labels: dict[str, str]) -> None:
+        await self._run(self.api.create_volume, name, labels=labels)
+
+    async def fill_volume(self, volume: str, image: str, archive: Path, labels: dict[str, str]) -> None:
+        """Extracts a tar into a volume, through a helper container that is created but never started
+        (nothing runs; the engine writes the files itself). The volume ends up holding exactly the tar's
+        entries, with their owners and modes."""
+
+        def fill() -> None:
+            host_config = self.api.create_host_config(
+                network_mode="none", mounts=[DockerMount(target="/fill", source=volume, type="volume")]
+            )
+            helper = self.api.create_container(
+                image=image,
+                command=["/usr/bin/node"],
+                name=f"{volume}-fill",
+                labels=labels,
+                network_disabled=True,
+                host_config=host_config,
+            )
+            try:
+                with archive.open("rb") as data:
+                    if not self.api.put_archive(helper["Id"], "/fill", data):
+                        raise EngineUnavailable(f"The engine refused to fill the volume {volume}")
+            finally:
+                self.api.remove_container(helper["Id"], force=True)
+
+        await self._run(fill)
+
+    async def remove_volume(self, name: str) -> bool:
+        """Removes a volume; False (and kept) while a container still uses it."""
+
+        def remove() -> bool:
+            try:
+                self.api.remove_volume(name)
+            except docker.errors.NotFound:
+                pass
+            except docker.errors.APIError as exc:
+                if exc.status_code == 409:  # in use
+                    return False
+                raise
+            return True
+
+        return await self._run(remove)
+
+    async def remove_orphan_volumes(self) -> int:
+        """Removes the service's volumes (package sets) whose owning service process no longer exists."""
+        listing = await self._run(self.api.volumes, filters={"label": SERVICE_LABEL})
+        removed = 0
+        for volume in listing.get("Volumes") or []:
+            owner = (volume.get("Labels") or {}).get(OWNER_PID_LABEL, "")
+            if owner.isdigit() and _process_alive(int(owner)):
+                continue
+            removed += await self.remove_volume(volume["Name"])
         return removed
 
     def close(self) -> None:

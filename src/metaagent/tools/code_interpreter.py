@@ -15,9 +15,10 @@ import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
 from metaagent.audit import AuditLog
-from metaagent.errors import AtCapacity, MetaAgentError, RequestRefused, Unavailable
+from metaagent.errors import AtCapacity, MetaAgentError, PackageRefused, RequestRefused, Unavailable
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
-from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine
+from metaagent.packages.store import NO_PACKAGES, PackageStore, PreparedPackages
+from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine, Mount
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, payload
 from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
@@ -104,7 +105,12 @@ class Admission:
 
 
 def container_spec(
-    execution_id: str, image: str, memory_mb: int, cpus: float, command: list[str] | None = None
+    execution_id: str,
+    image: str,
+    memory_mb: int,
+    cpus: float,
+    mounts: tuple[Mount, ...] = (),
+    command: list[str] | None = None,
 ) -> ContainerSpec:
     """The container of one execution. `command` replaces the runner only in the tests of the container layer."""
     # Node's heap limit below the container's, so that a hog usually ends with a JavaScript heap
@@ -118,6 +124,7 @@ def container_spec(
         memory_mb=memory_mb,
         cpus=cpus,
         labels={SERVICE_LABEL: "metaagent", EXECUTION_LABEL: execution_id, OWNER_PID_LABEL: str(os.getpid())},
+        mounts=mounts,
     )
 
 
@@ -134,6 +141,7 @@ class CodeInterpreter:
         cpus: float,
         grace_s: float,
         pool_size: int = 0,
+        packages: PackageStore | None = None,
     ) -> None:
         self.engine = engine
         self.image = image
@@ -149,6 +157,7 @@ class CodeInterpreter:
             memory_mb=DEFAULT_MEMORY_MB,
             make_spec=lambda execution_id, tag: container_spec(execution_id, tag, DEFAULT_MEMORY_MB, cpus),
         )
+        self.packages = packages
         self.closing = False
 
     def close(self) -> None:
@@ -159,23 +168,28 @@ class CodeInterpreter:
     async def __call__(self, request: CodeInterpreterRequest, caller: str | None = None) -> CodeInterpreterResponse:
         if self.closing:
             raise Unavailable("The service is shutting down; retry on another instance")
-        if request.packages:
-            raise RequestRefused(
-                f"Package not allowed: {request.packages[0]} (the npm package allow-list is empty)",
-                package=request.packages[0],
-            )
+        dependencies = self._check_packages(request.packages)
         if request.network is not None:
             raise RequestRefused("Network access for sandboxed code is not enabled on this service; remove `network`")
         image_ref = await self.image.require()
         outcome: Outcome | None = None
         error: str | None = None
-        async with self.admission.slot() as queued_s:
+        # Packages are installed before the slot is taken: an install is not an execution's time.
+        async with (
+            self._provide_packages(request.packages, dependencies, image_ref) as packages,
+            self.admission.slot() as queued_s,
+        ):
             if self.closing:  # the service began to stop while this execution was queued
                 raise Unavailable("The service is shutting down; retry on another instance")
             warm = self._take_warm(request, image_ref)
             execution_id = warm.execution_id if warm else new_execution_id()
             execution = Execution(execution_id, request.timeout_s, request.memory_mb, caller=caller)
-            spec = warm.spec if warm else container_spec(execution_id, image_ref, request.memory_mb, self.cpus)
+            mounts = (packages.mount(),) if packages else ()
+            spec = (
+                warm.spec
+                if warm
+                else container_spec(execution_id, image_ref, request.memory_mb, self.cpus, mounts=mounts)
+            )
             self.registry.add(execution)
             try:
                 outcome = await execute(
@@ -192,7 +206,7 @@ class CodeInterpreter:
                 raise
             finally:
                 self.registry.discard(execution)
-                self._audit(request, execution, spec, warm is not None, outcome, error)
+                self._audit(request, execution, spec, warm is not None, outcome, error, packages)
         return CodeInterpreterResponse(
             execution_id=execution.execution_id,
             exit_code=outcome.exit_code,
@@ -213,6 +227,28 @@ class CodeInterpreter:
             return None
         return self.pool.take(image_ref)
 
+    def _check_packages(self, requested: list[str]) -> dict[str, str]:
+        """The npm dependencies a request's packages come to; a 400 before anything runs otherwise."""
+        if not requested:
+            return {}
+        if self.packages is None:
+            raise PackageRefused(
+                f"Package not allowed: {requested[0]} (packages are not served here: run the service)",
+                package=requested[0],
+                rule="not-allowed",
+            )
+        return self.packages.check(requested)
+
+    @asynccontextmanager
+    async def _provide_packages(
+        self, requested: list[str], dependencies: dict[str, str], image: str
+    ) -> AsyncIterator[PreparedPackages | None]:
+        if not dependencies or self.packages is None:
+            yield None
+            return
+        async with self.packages.provide(requested, dependencies, image) as prepared:
+            yield prepared
+
     def _audit(
         self,
         request: CodeInterpreterRequest,
@@ -221,6 +257,7 @@ class CodeInterpreter:
         warm: bool,
         outcome: Outcome | None,
         error: str | None,
+        packages: PreparedPackages | None,
     ) -> None:
         code = request.code.encode()
         result: dict[str, Any]
@@ -253,7 +290,7 @@ class CodeInterpreter:
                 "stdout_cap": STDOUT_CAP,
                 "stderr_cap": STDERR_CAP,
             },
-            packages=request.packages,
+            packages=packages.audit_record() if packages else {**NO_PACKAGES, "requested": request.packages},
             network=request.network.model_dump() if request.network else None,
             container_id=execution.container_id,
             container_path="warm" if warm else "cold",
