@@ -24,6 +24,7 @@ from metaagent.errors import AtCapacity, ClientGone, MetaAgentError, describe_va
 from metaagent.executions import ExecutionInfo, ExecutionList, ExecutionRegistry, KillResult
 from metaagent.mcp_server import build_server, mount_mcp
 from metaagent.sandbox.engine import Engine, EngineUnavailable
+from metaagent.sandbox.network import NetworkLimits, SandboxNetwork, read_extra_ca_certs
 from metaagent.sandbox.provision import SandboxImage
 from metaagent.services import Services
 from metaagent.settings import Settings
@@ -75,6 +76,7 @@ def services(request: Request) -> Services:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     allowlist = AllowList.parse(settings.allow_http_hosts)  # validation only: a ConfigError stops start-up
+    extra_ca_pem = read_extra_ca_certs(settings.sandbox_extra_ca_certs)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -99,6 +101,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             queue_size=settings.execution_queue_size,
             cpus=settings.sandbox_cpus,
             grace_s=settings.kill_grace_s,
+            network=SandboxNetwork(
+                engine,
+                guard,
+                NetworkLimits(settings.sandbox_max_tunnels, settings.sandbox_max_tunnel_bytes),
+                extra_ca_pem,
+            ),
         )
         search, embeddings = SearchTool(guard, settings), EmbeddingsTool(guard, settings)
         app.state.services = Services(
@@ -189,7 +197,7 @@ async def _prepare_sandbox(engine: Engine, image: SandboxImage, build: bool) -> 
         log.warning("%s", exc.message)
         return
     if removed:
-        log.warning("removed %d container(s) left by a service that stopped without cleaning up", removed)
+        log.warning("removed %d container(s) or volume(s) left by a service that stopped without cleaning up", removed)
     await image.refresh(build=build)
 
 

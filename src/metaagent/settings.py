@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     max_concurrent_executions: int | None = Field(default=None, ge=1)
     execution_queue_size: int = Field(default=32, ge=0)
     kill_grace_s: float = Field(default=5.0, ge=0, le=60)
+    # Network for sandboxed code (executions that ask for `network`): per execution, tunnels open at once
+    # and bytes moved in both directions; a PEM bundle of CAs the sandbox trusts besides the image's.
+    sandbox_max_tunnels: int = Field(default=8, ge=1, le=64)
+    sandbox_max_tunnel_bytes: int = Field(default=64 * MIB, ge=1)
+    sandbox_extra_ca_certs: Path | None = None
 
     # Operations.
     audit_log: Path = Path("metaagent-audit.jsonl")

@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,10 +15,12 @@ import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
 from metaagent.audit import AuditLog
+from metaagent.egress.allowlist import AllowList
 from metaagent.errors import AtCapacity, MetaAgentError, RequestRefused, Unavailable
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
-from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine
+from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine, Mount
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, payload
+from metaagent.sandbox.network import ExecutionNetwork, SandboxNetwork
 from metaagent.sandbox.provision import SandboxImage
 
 log = logging.getLogger("metaagent.code_interpreter")
@@ -31,7 +33,9 @@ class NetworkPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     allow: list[str] = Field(
-        min_length=1, max_length=32, description="Hosts the code may reach; each must be allowed by ALLOW_HTTP_HOSTS."
+        min_length=1,
+        max_length=32,
+        description="Hosts the code may reach with http, https and fetch; each must be allowed by ALLOW_HTTP_HOSTS.",
     )
 
 
@@ -40,7 +44,8 @@ class CodeInterpreterRequest(BaseModel):
 
     The container has no network, a read-only file system except a 100 MB /tmp, no privileges, and
     limits on memory, CPU, processes and open files. Core modules that reach the file system, other
-    programs or the network (fs, child_process, net, ...) are blocked. Print results with console.log.
+    programs or raw sockets (fs, child_process, net, ...) are blocked. With `network`, http, https and
+    fetch reach the listed hosts (and only those). Print results with console.log.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -102,7 +107,12 @@ class Admission:
 
 
 def container_spec(
-    execution_id: str, image: str, memory_mb: int, cpus: float, command: list[str] | None = None
+    execution_id: str,
+    image: str,
+    memory_mb: int,
+    cpus: float,
+    command: list[str] | None = None,
+    mounts: tuple[Mount, ...] = (),
 ) -> ContainerSpec:
     """The container of one execution. `command` replaces the runner only in the tests of the container layer."""
     # Node's heap limit below the container's, so that a hog usually ends with a JavaScript heap
@@ -116,6 +126,7 @@ def container_spec(
         memory_mb=memory_mb,
         cpus=cpus,
         labels={SERVICE_LABEL: "metaagent", EXECUTION_LABEL: execution_id, OWNER_PID_LABEL: str(os.getpid())},
+        mounts=mounts,
     )
 
 
@@ -131,8 +142,10 @@ class CodeInterpreter:
         queue_size: int,
         cpus: float,
         grace_s: float,
+        network: SandboxNetwork | None = None,
     ) -> None:
         self.engine = engine
+        self.network = network
         self.image = image
         self.registry = registry
         self.audit = audit
@@ -149,21 +162,24 @@ class CodeInterpreter:
                 f"Package not allowed: {request.packages[0]} (the npm package allow-list is empty)",
                 package=request.packages[0],
             )
-        if request.network is not None:
-            raise RequestRefused("Network access for sandboxed code is not enabled on this service; remove `network`")
+        allowlist = self._network_allowlist(request)
         image_ref = await self.image.require()
         execution = Execution(new_execution_id(), request.timeout_s, request.memory_mb, caller=caller)
+        network: ExecutionNetwork | None = None
+        if self.network is not None and allowlist is not None:
+            network = self.network.for_execution(execution.execution_id, allowlist)
         self.registry.add(execution)
         started_at = datetime.now(UTC)
-        spec = container_spec(execution.execution_id, image_ref, request.memory_mb, self.cpus)
+        mounts = network.mounts if network else ()
+        spec = container_spec(execution.execution_id, image_ref, request.memory_mb, self.cpus, mounts=mounts)
         outcome: Outcome | None = None
         error: str | None = None
         try:
-            async with self.admission.slot() as queued_s:
+            async with self.admission.slot() as queued_s, network or nullcontext():
                 outcome = await execute(
                     self.engine,
                     spec,
-                    payload(request.code, request.stdin),
+                    payload(request.code, request.stdin, network.runner if network else None),
                     execution,
                     timeout_s=request.timeout_s,
                     grace_s=self.grace_s,
@@ -173,7 +189,7 @@ class CodeInterpreter:
             raise
         finally:
             self.registry.discard(execution)
-            self._audit(request, execution, spec, started_at, outcome, error)
+            self._audit(request, execution, spec, started_at, outcome, error, network)
         return CodeInterpreterResponse(
             execution_id=execution.execution_id,
             exit_code=outcome.exit_code,
@@ -188,6 +204,14 @@ class CodeInterpreter:
             queued_ms=int(queued_s * 1000),
         )
 
+    def _network_allowlist(self, request: CodeInterpreterRequest) -> AllowList | None:
+        """The execution's own egress allow-list, None without `network`; raises RequestRefused (400)."""
+        if request.network is None:
+            return None
+        if self.network is None:
+            raise RequestRefused("Network for sandboxed code is not enabled on this service; remove `network`")
+        return self.network.allowlist_for(request.network.allow)
+
     def _audit(
         self,
         request: CodeInterpreterRequest,
@@ -196,6 +220,7 @@ class CodeInterpreter:
         started_at: datetime,
         outcome: Outcome | None,
         error: str | None,
+        network: ExecutionNetwork | None,
     ) -> None:
         code = request.code.encode()
         result: dict[str, Any]
@@ -229,7 +254,7 @@ class CodeInterpreter:
                 "stderr_cap": STDERR_CAP,
             },
             packages=request.packages,
-            network=request.network.model_dump() if request.network else None,
+            network=network.audit_record() if network else None,
             container_id=execution.container_id,
             image=spec.image,
             image_id=self.image.image_id,
