@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,16 +47,22 @@ def docker_client() -> Iterator[docker.DockerClient]:
 @pytest.fixture(scope="session")
 def sandbox_service(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient) -> Iterator[Service]:
     """`metaagent serve` on a free port, with the sandbox image built (or built by `scripts/test` before)."""
-    workdir = tmp_path_factory.mktemp("service")
+    with running_service(tmp_path_factory.mktemp("service"), ALLOW_HTTP_HOSTS='["127.0.0.1"]') as service:
+        yield service
+
+
+@contextmanager
+def running_service(workdir: Path, **env_overrides: str) -> Iterator[Service]:
+    """A service process in `workdir` with host secrets in its environment, once its sandbox image is ready."""
     port = free_port()
     stderr_path = workdir / "service.log"
     env = clean_env(
         workdir,
         METAAGENT_SANDBOX_BUILD_ON_START="true",
-        ALLOW_HTTP_HOSTS='["127.0.0.1"]',
         OPENAI_API_KEY=HOST_SECRET,
         SERPER_API_KEY=HOST_SECRET,
         METAAGENT_TEST_SECRET=HOST_SECRET,
+        **env_overrides,
     )
     with stderr_path.open("w") as stderr:
         process = subprocess.Popen([*METAAGENT, "serve", "--port", str(port)], cwd=workdir, env=env, stderr=stderr)

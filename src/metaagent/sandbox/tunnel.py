@@ -113,6 +113,8 @@ class TunnelRefused(Exception):
 
 def parse_target(line: bytes) -> tuple[str, int]:
     """`host:port` as the sandbox sent it, the host in the allow-list's normal form; raises TunnelRefused."""
+    if len(line) > MAX_REQUEST_LINE:
+        raise TunnelRefused(BAD_REQUEST, f"the tunnel request is longer than {MAX_REQUEST_LINE} bytes")
     try:
         text = line.decode("ascii")
     except UnicodeDecodeError:
