@@ -135,7 +135,11 @@ function tunnelOpener(socketPath, maxTunnels) {
   };
 }
 
+let installed = false;
+
 function install({ socketPath, maxTunnels, extraCa }) {
+  if (installed) throw new Error('egress is installed already');
+  installed = true;
   const openTunnel = tunnelOpener(socketPath, maxTunnels);
   let defaultContext;
 

@@ -24,6 +24,8 @@ const gate = require('./gate.js');
 // Egress through the execution's tunnel: loaded now for the same reason, it captures net and tls, which
 // the gate refuses to user code.
 const egress = require('./egress.js');
+// Out of the CommonJS cache at once: require.cache leads to nothing of the runner's (as for the gate).
+delete Module._cache[require.resolve('./egress.js')];
 
 const realStdin = process.stdin;
 const realStderr = process.stderr;
