@@ -9,10 +9,13 @@ sandbox is told to trust through METAAGENT_SANDBOX_EXTRA_CA_CERTS.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from http.server import ThreadingHTTPServer
@@ -36,6 +39,7 @@ from metaagent.sandbox.network import NetworkLimits, SandboxNetwork, read_extra_
 from metaagent.tools.code_interpreter import container_spec
 from tests.conftest import _UpstreamHandler
 from tests.sandbox.conftest import Result, Service, running_service
+from tests.test_cli import serving
 
 MAX_TUNNEL_BYTES = 1024 * 1024
 NETWORK_SERVICE_HOSTS = '["127.0.0.1", "127.0.0.2", "*.sandbox.test"]'
@@ -350,6 +354,31 @@ def test_tunnels_and_volume_are_gone_after_the_execution(
     volumes = docker_client.volumes.list(filters={"label": f"org.metaagent.execution={execution_id}"})
     assert volumes == []
     assert containers_of(execution_id) == []
+
+
+@pytest.mark.docker
+def test_service_start_removes_volumes_left_by_a_dead_service(
+    docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
+    labels = {"org.metaagent.service": "metaagent", "org.metaagent.execution": "exe_orphanvolume"}
+    orphan = docker_client.volumes.create(labels={**labels, "org.metaagent.owner-pid": "999999999"})
+    alive = docker_client.volumes.create(labels={**labels, "org.metaagent.owner-pid": str(os.getpid())})
+    try:
+        with serving(tmp_path, METAAGENT_SANDBOX_BUILD_ON_START="false"):
+            for _ in range(100):
+                if orphan.name not in volume_names(docker_client, "exe_orphanvolume"):
+                    break
+                time.sleep(0.1)
+        assert volume_names(docker_client, "exe_orphanvolume") == [alive.name]
+    finally:
+        for volume in (orphan, alive):
+            with contextlib.suppress(docker.errors.NotFound):
+                volume.remove(force=True)
+
+
+def volume_names(client: docker.DockerClient, execution_id: str) -> list[str]:
+    found = client.volumes.list(filters={"label": f"org.metaagent.execution={execution_id}"})
+    return [str(v.name) for v in found]
 
 
 # --- the container of a network execution -------------------------------------------------------------
