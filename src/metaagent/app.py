@@ -30,6 +30,7 @@ from metaagent.packages.install import check_registry
 from metaagent.packages.policy import PackagePolicy
 from metaagent.packages.store import PackageStore, package_store
 from metaagent.sandbox.engine import Engine, EngineUnavailable
+from metaagent.sandbox.network import NetworkLimits, SandboxNetwork, read_extra_ca_certs
 from metaagent.sandbox.pool import WarmPool
 from metaagent.sandbox.provision import SandboxImage
 from metaagent.services import Services
@@ -91,6 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     keys = KeyRing.from_settings(settings)  # read once; only their hashes are kept
     package_policy = PackagePolicy.parse(settings.npm_allowed_packages)
     check_registry(settings.npm_registry)
+    extra_ca_pem = read_extra_ca_certs(settings.sandbox_extra_ca_certs)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -120,6 +122,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             grace_s=settings.kill_grace_s,
             pool_size=settings.effective_pool_size(os.cpu_count() or 1),
             packages=packages,
+            network=SandboxNetwork(
+                engine,
+                guard,
+                NetworkLimits(settings.sandbox_max_tunnels, settings.sandbox_max_tunnel_bytes),
+                extra_ca_pem,
+            ),
         )
         search, embeddings = SearchTool(guard, settings), EmbeddingsTool(guard, settings)
         metrics.watch_admission(interpreter.admission)
@@ -235,16 +243,11 @@ async def _prepare_sandbox(engine: Engine, image: SandboxImage, pool: WarmPool, 
     """Removes what a dead service left, makes sure of the image, then keeps the warm pool filled."""
     try:
         removed = await engine.remove_orphans()
-        volumes = await engine.remove_orphan_volumes()
     except EngineUnavailable as exc:
         log.warning("%s", exc.message)
     else:
-        if removed or volumes:
-            log.warning(
-                "removed %d container(s) and %d package volume(s) left by a service that stopped without cleaning up",
-                removed,
-                volumes,
-            )
+        if removed:
+            log.warning("removed %d container(s) or volume(s) of a service that stopped without cleaning up", removed)
         await image.refresh(build=build)
     await pool.run()
 

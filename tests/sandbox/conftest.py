@@ -54,15 +54,14 @@ def running_service(workdir: Path, **env: str) -> Iterator[Service]:
     """`metaagent serve` on a free port, once the sandbox image is ready (built by `scripts/test` before)."""
     port = free_port()
     stderr_path = workdir / "service.log"
-    environment = clean_env(
-        workdir,
-        METAAGENT_SANDBOX_BUILD_ON_START="true",
-        ALLOW_HTTP_HOSTS='["127.0.0.1"]',
-        OPENAI_API_KEY=HOST_SECRET,
-        SERPER_API_KEY=HOST_SECRET,
-        METAAGENT_TEST_SECRET=HOST_SECRET,
-        **env,
-    )
+    defaults = {
+        "METAAGENT_SANDBOX_BUILD_ON_START": "true",
+        "ALLOW_HTTP_HOSTS": '["127.0.0.1"]',
+        "OPENAI_API_KEY": HOST_SECRET,
+        "SERPER_API_KEY": HOST_SECRET,
+        "METAAGENT_TEST_SECRET": HOST_SECRET,
+    }
+    environment = clean_env(workdir, **{**defaults, **env})
     with stderr_path.open("w") as stderr:
         process = subprocess.Popen(
             [*METAAGENT, "serve", "--port", str(port)], cwd=workdir, env=environment, stderr=stderr
@@ -187,7 +186,9 @@ def containers_of(docker_client: docker.DockerClient) -> Callable[[str], list[st
     """The ids of the containers, running or not, that belong to one execution."""
 
     def listing(execution_id: str) -> list[str]:
-        found = docker_client.containers.list(all=True, filters={"label": f"org.metaagent.execution={execution_id}"})
+        found = docker_client.containers.list(
+            all=True, sparse=True, filters={"label": f"org.metaagent.execution={execution_id}"}
+        )
         return [c.id for c in found]
 
     return listing

@@ -92,7 +92,7 @@ class PrivateEngine:
     def containers(self) -> list[str]:
         client = docker.DockerClient(base_url=self.url, version="1.41", timeout=30)
         try:
-            return [c.id for c in client.containers.list(all=True)]
+            return [c.id for c in client.containers.list(all=True, sparse=True)]
         finally:
             client.close()
 
@@ -109,7 +109,7 @@ def private_engine() -> Iterator[PrivateEngine]:
             if engine.process is None:
                 engine.start()  # remove what the test left, with the engine's own tools
             client = docker.DockerClient(base_url=engine.url, version="1.41", timeout=30)
-            for container in client.containers.list(all=True):
+            for container in client.containers.list(all=True, sparse=True):
                 container.remove(force=True)
             client.close()
         finally:

@@ -350,13 +350,15 @@ def test_shutdown_signal_kills_running_executions_and_exits_0(
         assert running
         assert running[0]["state"] == "running"
         owned = {"label": f"org.metaagent.owner-pid={process.pid}"}
-        assert running[0]["container_id"] in {c.id for c in docker_client.containers.list(all=True, filters=owned)}
+        assert running[0]["container_id"] in {
+            c.id for c in docker_client.containers.list(all=True, sparse=True, filters=owned)
+        }
 
         process.send_signal(getattr(signal, signal_name))
         assert process.wait(timeout=60) == 0  # not a speed check: far below the execution's 120 s
         thread.join(timeout=10)
         assert holder["response"].status_code == 200
         assert holder["response"].json()["killed"] is True
-        assert docker_client.containers.list(all=True, filters=owned) == []
+        assert docker_client.containers.list(all=True, sparse=True, filters=owned) == []
         record = json.loads((tmp_path / "audit.jsonl").read_text().splitlines()[-1])
         assert record["outcome"]["killed"] is True  # the audit record was flushed before the exit

@@ -132,7 +132,7 @@ def test_a_full_disk_while_building_the_image_is_reported_by_health_and_executio
 
 
 def _orphans(client: docker.DockerClient, pid: int) -> list[str]:
-    found = client.containers.list(all=True, filters={"label": f"org.metaagent.owner-pid={pid}"})
+    found = client.containers.list(all=True, sparse=True, filters={"label": f"org.metaagent.owner-pid={pid}"})
     return [c.id for c in found]
 
 

@@ -19,7 +19,7 @@ SLOW_PRINT = "setTimeout(() => console.log('ok'), 1500)"
 
 
 def owned_containers(client: docker.DockerClient, service: Service) -> list[str]:
-    found = client.containers.list(all=True, filters={"label": f"org.metaagent.owner-pid={service.pid}"})
+    found = client.containers.list(all=True, sparse=True, filters={"label": f"org.metaagent.owner-pid={service.pid}"})
     return [c.id for c in found]
 
 

@@ -118,6 +118,25 @@ class EgressGuard:
             raise EgressRefused("Credentials in the URL are not supported: send an Authorization header instead")
         return target
 
+    def check_host(self, host: str, port: int, *, tool: str, **context: Any) -> None:
+        """Checks a bare (normalised) host for a tunnel, which has no URL; raises HostBlocked.
+
+        The log line has the seed's shape, with the tunnel's request target where a URL would be.
+        """
+        match = self.allowlist.match(host)
+        if not match.allowed:
+            shown = escape_for_log(host)
+            self._refuse(
+                f"Blocked HTTP request to disallowed host: {shown} (CONNECT {shown}:{port})",
+                tool,
+                host=host,
+                port=port,
+                method="CONNECT",
+                reason=match.reason,
+                **context,
+            )
+            raise HostBlocked(host)
+
     async def resolve(
         self,
         host: str,
@@ -125,6 +144,7 @@ class EgressGuard:
         *,
         tool: str = "http",
         timeout: float | None = None,  # noqa: ASYNC109 -- passed down from httpcore
+        **context: Any,
     ) -> list[str]:
         """The addresses to connect to for an allowed host, after the address policy; raises otherwise."""
         if canonical_ip(host) is not None and self.allowlist.match(host).allowed:
@@ -148,6 +168,7 @@ class EgressGuard:
                     port=port,
                     address=str(address),
                     reason=kind,
+                    **context,
                 )
                 raise EgressRefused(
                     f"{host} resolves to {address}, a {kind} address, which the egress policy forbids; "

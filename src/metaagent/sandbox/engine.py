@@ -261,23 +261,30 @@ class Engine:
 
         await self._run(remove)
 
+    async def create_volume(self, name: str, labels: dict[str, str]) -> str:
+        """Creates a named local volume; returns its folder on this machine (the engine's Mountpoint)."""
+        created = await self._run(self.api.create_volume, name=name, driver="local", labels=labels)
+        return str(created["Mountpoint"])
+
     async def list_service_containers(self) -> list[dict[str, Any]]:
         found = await self._run(self.api.containers, all=True, filters={"label": SERVICE_LABEL})
         return list(found)
 
     async def remove_orphans(self) -> int:
-        """Removes containers of service processes that no longer exist (a crash, a SIGKILL)."""
+        """Removes containers and volumes of service processes that no longer exist (a crash, a SIGKILL)."""
         removed = 0
         for container in await self.list_service_containers():
-            owner = container.get("Labels", {}).get(OWNER_PID_LABEL, "")
-            if owner.isdigit() and _process_alive(int(owner)):
+            if _owner_alive(container.get("Labels")):
                 continue
             await self.remove(container["Id"])
             removed += 1
+        # Volumes last: one still used by a container cannot be removed.
+        found = await self._run(self.api.volumes, filters={"label": SERVICE_LABEL})
+        for volume in found.get("Volumes") or []:
+            if _owner_alive(volume.get("Labels")):
+                continue
+            removed += await self.remove_volume(volume["Name"])
         return removed
-
-    async def create_volume(self, name: str, labels: dict[str, str]) -> None:
-        await self._run(self.api.create_volume, name, labels=labels)
 
     async def fill_volume(self, volume: str, image: str, archive: Path, labels: dict[str, str]) -> None:
         """Extracts a tar into a volume, through a helper container that is created but never started
@@ -321,21 +328,15 @@ class Engine:
 
         return await self._run(remove)
 
-    async def remove_orphan_volumes(self) -> int:
-        """Removes the service's volumes (package sets) whose owning service process no longer exists."""
-        listing = await self._run(self.api.volumes, filters={"label": SERVICE_LABEL})
-        removed = 0
-        for volume in listing.get("Volumes") or []:
-            owner = (volume.get("Labels") or {}).get(OWNER_PID_LABEL, "")
-            if owner.isdigit() and _process_alive(int(owner)):
-                continue
-            removed += await self.remove_volume(volume["Name"])
-        return removed
-
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _owner_alive(labels: dict[str, str] | None) -> bool:
+    owner = (labels or {}).get(OWNER_PID_LABEL, "")
+    return owner.isdigit() and _process_alive(int(owner))
 
 
 def _process_alive(pid: int) -> bool:

@@ -42,12 +42,27 @@ class Outcome:
     duration_ms: int
 
 
-def payload(code: str, stdin: str | None) -> bytes:
-    """The runner's stdin protocol: a JSON header line, the code, then the program's stdin."""
+@dataclass(frozen=True)
+class RunnerEgress:
+    """What the runner needs to route node's http, https and fetch through an execution's tunnel socket."""
+
+    socket_path: str  # inside the container
+    max_tunnels: int  # the runner queues connections past this, rather than have the service refuse them
+    extra_ca_pem: bytes = b""  # trusted besides the image's CA bundle
+
+
+def payload(code: str, stdin: str | None, egress: RunnerEgress | None = None) -> bytes:
+    """The runner's stdin protocol: a JSON header line, the code, the program's stdin, then extra CA PEMs."""
     code_bytes = code.encode("utf-8")
     stdin_bytes = (stdin or "").encode("utf-8")
-    header = json.dumps({"code_bytes": len(code_bytes), "stdin_bytes": len(stdin_bytes)}).encode() + b"\n"
-    return header + code_bytes + stdin_bytes
+    fields: dict[str, object] = {"code_bytes": len(code_bytes), "stdin_bytes": len(stdin_bytes)}
+    extra_ca = b""
+    if egress is not None:
+        extra_ca = egress.extra_ca_pem
+        fields.update(
+            egress_socket=egress.socket_path, egress_max_tunnels=egress.max_tunnels, extra_ca_bytes=len(extra_ca)
+        )
+    return json.dumps(fields).encode() + b"\n" + code_bytes + stdin_bytes + extra_ca
 
 
 async def _first(*events: anyio.Event) -> None:

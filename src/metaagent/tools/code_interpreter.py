@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,11 +15,13 @@ import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
 from metaagent.audit import AuditLog
+from metaagent.egress.allowlist import AllowList
 from metaagent.errors import AtCapacity, MetaAgentError, PackageRefused, RequestRefused, Unavailable
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
 from metaagent.packages.store import NO_PACKAGES, PackageStore, PreparedPackages
 from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine, Mount
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, payload
+from metaagent.sandbox.network import ExecutionNetwork, SandboxNetwork
 from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
 
@@ -34,7 +36,9 @@ class NetworkPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     allow: list[str] = Field(
-        min_length=1, max_length=32, description="Hosts the code may reach; each must be allowed by ALLOW_HTTP_HOSTS."
+        min_length=1,
+        max_length=32,
+        description="Hosts the code may reach with http, https and fetch; each must be allowed by ALLOW_HTTP_HOSTS.",
     )
 
 
@@ -43,7 +47,8 @@ class CodeInterpreterRequest(BaseModel):
 
     The container has no network, a read-only file system except a 100 MB /tmp, no privileges, and
     limits on memory, CPU, processes and open files. Core modules that reach the file system, other
-    programs or the network (fs, child_process, net, ...) are blocked. Print results with console.log.
+    programs or raw sockets (fs, child_process, net, ...) are blocked. With `network`, http, https and
+    fetch reach the listed hosts (and only those). Print results with console.log.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -142,6 +147,7 @@ class CodeInterpreter:
         grace_s: float,
         pool_size: int = 0,
         packages: PackageStore | None = None,
+        network: SandboxNetwork | None = None,
     ) -> None:
         self.engine = engine
         self.image = image
@@ -158,6 +164,7 @@ class CodeInterpreter:
             make_spec=lambda execution_id, tag: container_spec(execution_id, tag, DEFAULT_MEMORY_MB, cpus),
         )
         self.packages = packages
+        self.network = network
         self.closing = False
 
     def close(self) -> None:
@@ -169,11 +176,11 @@ class CodeInterpreter:
         if self.closing:
             raise Unavailable("The service is shutting down; retry on another instance")
         dependencies = self._check_packages(request.packages)
-        if request.network is not None:
-            raise RequestRefused("Network access for sandboxed code is not enabled on this service; remove `network`")
+        allowlist = self._network_allowlist(request)
         image_ref = await self.image.require()
         outcome: Outcome | None = None
         error: str | None = None
+        network: ExecutionNetwork | None = None
         # Packages are installed before the slot is taken: an install is not an execution's time.
         async with (
             self._provide_packages(request.packages, dependencies, image_ref) as packages,
@@ -184,7 +191,9 @@ class CodeInterpreter:
             warm = self._take_warm(request, image_ref)
             execution_id = warm.execution_id if warm else new_execution_id()
             execution = Execution(execution_id, request.timeout_s, request.memory_mb, caller=caller)
-            mounts = (packages.mount(),) if packages else ()
+            if self.network is not None and allowlist is not None:
+                network = self.network.for_execution(execution_id, allowlist)
+            mounts = (*(network.mounts if network else ()), *((packages.mount(),) if packages else ()))
             spec = (
                 warm.spec
                 if warm
@@ -192,21 +201,22 @@ class CodeInterpreter:
             )
             self.registry.add(execution)
             try:
-                outcome = await execute(
-                    self.engine,
-                    spec,
-                    payload(request.code, request.stdin),
-                    execution,
-                    timeout_s=request.timeout_s,
-                    grace_s=self.grace_s,
-                    prepared=warm.prepared if warm else None,
-                )
+                async with network or nullcontext():
+                    outcome = await execute(
+                        self.engine,
+                        spec,
+                        payload(request.code, request.stdin, network.runner if network else None),
+                        execution,
+                        timeout_s=request.timeout_s,
+                        grace_s=self.grace_s,
+                        prepared=warm.prepared if warm else None,
+                    )
             except MetaAgentError as exc:
                 error = exc.message
                 raise
             finally:
                 self.registry.discard(execution)
-                self._audit(request, execution, spec, warm is not None, outcome, error, packages)
+                self._audit(request, execution, spec, warm is not None, outcome, error, packages, network)
         return CodeInterpreterResponse(
             execution_id=execution.execution_id,
             exit_code=outcome.exit_code,
@@ -249,6 +259,14 @@ class CodeInterpreter:
         async with self.packages.provide(requested, dependencies, image) as prepared:
             yield prepared
 
+    def _network_allowlist(self, request: CodeInterpreterRequest) -> AllowList | None:
+        """The execution's own egress allow-list, None without `network`; raises RequestRefused (400)."""
+        if request.network is None:
+            return None
+        if self.network is None:
+            raise RequestRefused("Network for sandboxed code is not enabled on this service; remove `network`")
+        return self.network.allowlist_for(request.network.allow)
+
     def _audit(
         self,
         request: CodeInterpreterRequest,
@@ -258,6 +276,7 @@ class CodeInterpreter:
         outcome: Outcome | None,
         error: str | None,
         packages: PreparedPackages | None,
+        network: ExecutionNetwork | None,
     ) -> None:
         code = request.code.encode()
         result: dict[str, Any]
@@ -291,7 +310,7 @@ class CodeInterpreter:
                 "stderr_cap": STDERR_CAP,
             },
             packages=packages.audit_record() if packages else {**NO_PACKAGES, "requested": request.packages},
-            network=request.network.model_dump() if request.network else None,
+            network=network.audit_record() if network else None,
             container_id=execution.container_id,
             container_path="warm" if warm else "cold",
             image=spec.image,

@@ -5,7 +5,11 @@
 //   {"code_bytes": N, "stdin_bytes": M}\n   one UTF-8 JSON header line
 //   N bytes                                 the user's JavaScript (UTF-8)
 //   M bytes                                 the user's standard input
-// The host may keep stdin open afterwards, so we count bytes and never wait for EOF.
+//   K bytes                                 extra CA certificates (PEM), only with egress (below)
+// An execution with network adds "egress_socket" (the tunnel's Unix socket in the container),
+// "egress_max_tunnels" and "extra_ca_bytes" (K) to the header; egress.js then routes http, https and
+// fetch through that socket. The host may keep stdin open afterwards, so we count bytes and never wait
+// for EOF.
 //
 // Built-ins are captured below, before any user code exists: user code can replace globals and
 // prototypes, but not these bindings, so anything that runs later (the module gate's hooks above all)
@@ -17,6 +21,11 @@ const { Buffer } = require('buffer');
 // The module gate (gate.js, with policy.js and gate-hooks.mjs): loaded here, before any payload byte
 // arrives, so that it captures built-ins and starts its ESM hooks thread while no user code exists.
 const gate = require('./gate.js');
+// Egress through the execution's tunnel: loaded now for the same reason, it captures net and tls, which
+// the gate refuses to user code.
+const egress = require('./egress.js');
+// Out of the CommonJS cache at once: require.cache leads to nothing of the runner's (as for the gate).
+delete Module._cache[require.resolve('./egress.js')];
 
 const realStdin = process.stdin;
 const realStderr = process.stderr;
@@ -30,6 +39,9 @@ const USER_FILENAME = '/app/main.js';
 const USER_DIRNAME = '/app';
 const MAX_HEADER_BYTES = 1024;
 const EXIT_BAD_PAYLOAD = 70; // EX_SOFTWARE: tells the host the runner, not the user's code, gave up.
+const COUNT_FIELDS = ['code_bytes', 'stdin_bytes', 'extra_ca_bytes'];
+const EGRESS_FIELDS = ['egress_socket', 'egress_max_tunnels', 'extra_ca_bytes'];
+const EGRESS_SOCKET_DIR = '/run/metaagent/';
 
 function badPayload(reason) {
   realStderr.write(`metaagent-runner: bad payload: ${reason}\n`);
@@ -47,17 +59,37 @@ function parseHeader(line) {
     return badPayload('header is not a JSON object');
   }
   for (const key of Object.keys(header)) {
-    if (key !== 'code_bytes' && key !== 'stdin_bytes') return badPayload(`unknown header field ${key}`);
+    if (key !== 'code_bytes' && key !== 'stdin_bytes' && !EGRESS_FIELDS.includes(key)) {
+      return badPayload(`unknown header field ${key}`);
+    }
   }
-  for (const key of ['code_bytes', 'stdin_bytes']) {
+  for (const key of COUNT_FIELDS) {
+    if (key === 'extra_ca_bytes' && !('egress_socket' in header)) continue;
     if (!isSafeInteger(header[key]) || header[key] < 0) {
       return badPayload(`${key} must be a non-negative integer`);
     }
   }
-  return { codeBytes: header.code_bytes, stdinBytes: header.stdin_bytes };
+  let egressConfig = null;
+  if (EGRESS_FIELDS.some((key) => key in header)) {
+    const socket = header.egress_socket;
+    if (typeof socket !== 'string' || !socket.startsWith(EGRESS_SOCKET_DIR) || socket.length > 200) {
+      return badPayload(`egress_socket must be a path under ${EGRESS_SOCKET_DIR}`);
+    }
+    if (!isSafeInteger(header.egress_max_tunnels) || header.egress_max_tunnels < 1) {
+      return badPayload('egress_max_tunnels must be a positive integer');
+    }
+    egressConfig = { socketPath: socket, maxTunnels: header.egress_max_tunnels };
+  }
+  return {
+    codeBytes: header.code_bytes,
+    stdinBytes: header.stdin_bytes,
+    extraCaBytes: egressConfig === null ? 0 : header.extra_ca_bytes,
+    egress: egressConfig,
+  };
 }
 
-// Reads header, code and stdin from the real stdin, then calls done(code, stdinBuffer) exactly once.
+// Reads header, code, stdin and extra CAs from the real stdin, then calls done(code, stdinBuffer, egress)
+// exactly once; egress is null, or {socketPath, maxTunnels, extraCa} for an execution with network.
 function readPayload(done) {
   let pending = Buffer.alloc(0); // bytes received but not yet attributed to the header
   let header = null;
@@ -76,8 +108,14 @@ function readPayload(done) {
     realStdin.destroy();
     const all = Buffer.concat(body, bodyLength);
     const code = all.subarray(0, header.codeBytes).toString('utf8');
-    const input = all.subarray(header.codeBytes, header.codeBytes + header.stdinBytes);
-    done(code, Buffer.from(input)); // a copy, so the user's stdin does not share the code's memory
+    const stdinEnd = header.codeBytes + header.stdinBytes;
+    const input = all.subarray(header.codeBytes, stdinEnd);
+    let egressConfig = null;
+    if (header.egress !== null) {
+      const extraCa = all.subarray(stdinEnd, stdinEnd + header.extraCaBytes).toString('ascii');
+      egressConfig = { ...header.egress, extraCa };
+    }
+    done(code, Buffer.from(input), egressConfig); // a copy, so the user's stdin does not share the code's memory
   }
 
   function onData(chunk) {
@@ -95,13 +133,13 @@ function readPayload(done) {
     }
     body.push(chunk);
     bodyLength += chunk.length;
-    if (bodyLength >= header.codeBytes + header.stdinBytes) finish();
+    if (bodyLength >= header.codeBytes + header.stdinBytes + header.extraCaBytes) finish();
   }
 
   function onEnd() {
     if (finished) return;
     if (header === null) return badPayload('stdin ended before the header line');
-    badPayload(`stdin ended after ${bodyLength} of ${header.codeBytes + header.stdinBytes} body bytes`);
+    badPayload(`stdin ended after ${bodyLength} of ${header.codeBytes + header.stdinBytes + header.extraCaBytes} body bytes`);
   }
 
   function onError(err) {
@@ -148,15 +186,26 @@ function runUserModule(code) {
   userModule.loaded = true;
 }
 
+// EGRESS: with network, node's http, https and fetch go through the execution's tunnel (egress.js).
+function installEgress(config) {
+  try {
+    egress.install(config);
+  } catch (err) {
+    realStderr.write(`metaagent-runner: egress cannot start: ${err && err.message}\n`);
+    processExit(EXIT_BAD_PAYLOAD);
+  }
+}
+
 // Node and the gate are loaded: tell the host, which starts the execution's clock (and, for a warm
 // container, hands it out) only now. No user code exists yet, so no user code can forge this line.
 // The same bytes are RUNNER_READY in sandbox/execute.py.
 realStderr.write('metaagent-runner: ready\n');
 
-readPayload((code, input) => {
+readPayload((code, input, egressConfig) => {
   // A fresh macrotask, so the user's stack traces do not start inside the stdin stream's internals.
   defer(() => {
     installStdin(input);
+    if (egressConfig !== null) installEgress(egressConfig);
     installGate();
     runUserModule(code);
   });

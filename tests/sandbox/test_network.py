@@ -1,0 +1,468 @@
+"""Network for sandboxed code: ordinary http, https and fetch reach the execution's allowed hosts through
+the service's egress guard, and nothing else does; the container itself never gets a network.
+
+The end-to-end tests run a real service process whose ALLOW_HTTP_HOSTS lists 127.0.0.1 by exact IP
+(the guard lets an exact IP entry reach a loopback address, so no private-network switch is needed),
+and real HTTP and HTTPS servers of the tests on 127.0.0.1, with a test certificate authority that the
+sandbox is told to trust through METAAGENT_SANDBOX_EXTRA_CA_CERTS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import anyio
+import docker
+import pytest
+import trustme
+
+from metaagent.audit import AuditLog
+from metaagent.egress.allowlist import AllowList
+from metaagent.egress.guard import EgressGuard
+from metaagent.errors import ConfigError, RequestRefused
+from metaagent.executions import Execution, new_execution_id
+from metaagent.sandbox.engine import Engine
+from metaagent.sandbox.execute import Outcome, execute
+from metaagent.sandbox.image import image_tag
+from metaagent.sandbox.network import NetworkLimits, SandboxNetwork, read_extra_ca_certs
+from metaagent.tools.code_interpreter import container_spec
+from tests.conftest import _UpstreamHandler
+from tests.sandbox.conftest import Result, Service, running_service
+from tests.test_cli import serving
+
+MAX_TUNNEL_BYTES = 1024 * 1024
+NETWORK_SERVICE_HOSTS = '["127.0.0.1", "127.0.0.2", "*.sandbox.test"]'
+
+
+# --- fixtures -----------------------------------------------------------------------------------------
+
+
+@contextmanager
+def serving_https(cert: trustme.LeafCert) -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _UpstreamHandler)
+    server.daemon_threads = True
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(context)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def sandbox_ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture(scope="module")
+def https_port(sandbox_ca: trustme.CA) -> Iterator[int]:
+    """An HTTPS server on 127.0.0.1 whose certificate the test CA signed."""
+    with serving_https(sandbox_ca.issue_cert("127.0.0.1")) as port:
+        yield port
+
+
+@pytest.fixture(scope="module")
+def network_service(
+    tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient, sandbox_ca: trustme.CA
+) -> Iterator[Service]:
+    workdir = tmp_path_factory.mktemp("network-service")
+    ca_path = workdir / "test-ca.pem"
+    sandbox_ca.cert_pem.write_to_path(str(ca_path))
+    with running_service(
+        workdir,
+        ALLOW_HTTP_HOSTS=NETWORK_SERVICE_HOSTS,
+        METAAGENT_SANDBOX_EXTRA_CA_CERTS=str(ca_path),
+        METAAGENT_SANDBOX_MAX_TUNNEL_BYTES=str(MAX_TUNNEL_BYTES),
+    ) as service:
+        yield service
+
+
+RunNet = Callable[..., Result]
+
+
+@pytest.fixture
+def run_net(network_service: Service) -> RunNet:
+    """Runs code on the network service; `allow` becomes the request's `network.allow` (None: no network)."""
+
+    def run(code: str, allow: list[str] | None = None, *, timeout_s: int = 10) -> Result:
+        body: dict[str, Any] = {"code": code, "timeout_s": timeout_s}
+        if allow is not None:
+            body["network"] = {"allow": allow}
+        response = network_service.post("/tools/code-interpreter", body)
+        return Result(response.status_code, response.json())
+
+    return run
+
+
+def audit_of(service: Service, execution_id: str) -> list[dict[str, Any]]:
+    records = [json.loads(line) for line in service.audit_log.read_text().splitlines()]
+    return [r for r in records if r.get("execution_id") == execution_id]
+
+
+def finished_record(service: Service, result: Result) -> dict[str, Any]:
+    return next(r for r in audit_of(service, result.body["execution_id"]) if r["event"] == "execution.finished")
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+@contextmanager
+def holding_server() -> Iterator[tuple[int, threading.Event]]:
+    """A TCP server on 127.0.0.1 that never answers; the event is set when its first client hangs up."""
+    closed = threading.Event()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while conn.recv(4096):
+                pass
+        closed.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield listener.getsockname()[1], closed
+    finally:
+        listener.close()
+
+
+# --- sandboxed code reaches allowed hosts -------------------------------------------------------------
+
+CLIENTS = {
+    "fetch-http": """
+        fetch('http://127.0.0.1:HTTP_PORT/echo?via=fetch')
+          .then(async (r) => console.log(r.status, (await r.json()).path));
+    """,
+    "fetch-https": """
+        fetch('https://127.0.0.1:HTTPS_PORT/echo?via=fetch')
+          .then(async (r) => console.log(r.status, (await r.json()).path));
+    """,
+    "http.get": """
+        require('http').get('http://127.0.0.1:HTTP_PORT/echo?via=http', (res) => {
+          let body = ''; res.on('data', (c) => body += c);
+          res.on('end', () => console.log(res.statusCode, JSON.parse(body).path));
+        });
+    """,
+    "https.get": """
+        require('https').get('https://127.0.0.1:HTTPS_PORT/echo?via=https', (res) => {
+          let body = ''; res.on('data', (c) => body += c);
+          res.on('end', () => console.log(res.statusCode, JSON.parse(body).path));
+        });
+    """,
+    "http.request-post": """
+        const req = require('http').request('http://127.0.0.1:HTTP_PORT/echo?via=post', { method: 'POST' }, (res) => {
+          let body = ''; res.on('data', (c) => body += c);
+          res.on('end', () => { const echo = JSON.parse(body); console.log(res.statusCode, echo.path, echo.body); });
+        });
+        req.end('hello');
+    """,
+}
+EXPECTED = {
+    "fetch-http": "200 /echo?via=fetch\n",
+    "fetch-https": "200 /echo?via=fetch\n",
+    "http.get": "200 /echo?via=http\n",
+    "https.get": "200 /echo?via=https\n",
+    "http.request-post": "200 /echo?via=post hello\n",
+}
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_sandboxed_code_reaches_an_allowed_host(run_net: RunNet, upstream: str, https_port: int, client: str) -> None:
+    code = CLIENTS[client].replace("HTTP_PORT", str(port_of(upstream))).replace("HTTPS_PORT", str(https_port))
+    result = run_net(code, ["127.0.0.1"])
+    assert result.status == 200, result.body
+    assert (result.stdout, result.stderr, result.exit_code) == (EXPECTED[client], "", 0)
+
+
+@pytest.mark.docker
+@pytest.mark.security
+def test_tls_is_verified_inside_the_sandbox(run_net: RunNet) -> None:
+    # The service only moves bytes, so a certificate the sandbox does not trust fails in the sandbox.
+    with serving_https(trustme.CA().issue_cert("127.0.0.1")) as port:
+        result = run_net(
+            f"""
+            fetch('https://127.0.0.1:{port}/').then(() => console.log('TRUSTED'), (e) => console.log(e.cause.code));
+            require('https').get('https://127.0.0.1:{port}/', () => console.log('TRUSTED'))
+              .on('error', (e) => console.log(e.code));
+            """,
+            ["127.0.0.1"],
+        )
+    assert result.stdout.splitlines() == ["UNABLE_TO_VERIFY_LEAF_SIGNATURE"] * 2
+
+
+@pytest.mark.docker
+def test_many_parallel_requests_wait_for_a_free_tunnel_instead_of_failing(run_net: RunNet, upstream: str) -> None:
+    result = run_net(
+        f"""
+        const urls = Array.from({{ length: 30 }}, (_, i) => 'http://127.0.0.1:{port_of(upstream)}/echo?i=' + i);
+        Promise.all(urls.map((u) => fetch(u).then((r) => r.json())))
+          .then((all) => console.log(all.length, new Set(all.map((e) => e.path)).size));
+        """,
+        ["127.0.0.1"],
+    )
+    assert result.stdout == "30 30\n", result.stderr
+
+
+# --- and nothing else -----------------------------------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.security
+def test_host_outside_the_execution_list_is_refused_and_logged_even_when_on_allow_http_hosts(
+    run_net: RunNet, network_service: Service, upstream: str
+) -> None:
+    port = port_of(upstream)
+    result = run_net(
+        f"""
+        fetch('http://127.0.0.2:{port}/').then(() => console.log('REACHED'),
+          (e) => console.log(e.cause.code + ': ' + e.cause.message));
+        require('https').get('https://api.sandbox.test/', () => console.log('REACHED'))
+          .on('error', (e) => console.log(e.code + ': ' + e.message));
+        """,
+        ["127.0.0.1"],
+    )
+    assert sorted(result.stdout.splitlines()) == [
+        "ERR_METAAGENT_HOST_BLOCKED: Host 127.0.0.2 is not allowed: it is not on this execution's network allow-list",
+        "ERR_METAAGENT_HOST_BLOCKED: Host api.sandbox.test is not allowed: "
+        "it is not on this execution's network allow-list",
+    ]
+    log = network_service.stderr_path.read_text()
+    assert f"[SECURITY] Blocked HTTP request to disallowed host: 127.0.0.2 (CONNECT 127.0.0.2:{port})\n" in log
+    line = "[SECURITY] Blocked HTTP request to disallowed host: api.sandbox.test (CONNECT api.sandbox.test:443)"
+    assert f"{line}\n" in log
+    records = audit_of(network_service, result.body["execution_id"])
+    blocked = sorted((r["host"], r["port"]) for r in records if r["event"] == "egress.blocked")
+    assert blocked == [("127.0.0.2", port), ("api.sandbox.test", 443)]
+    finished = next(r for r in records if r["event"] == "execution.finished")
+    tunnels = finished["network"]["tunnels"]
+    assert finished["network"]["allow"] == ["127.0.0.1"]
+    assert (tunnels["opened"], tunnels["refused"]) == (0, 2)
+    assert sorted((r["host"], r["port"]) for r in tunnels["refusals"]) == blocked
+
+
+@pytest.mark.docker
+@pytest.mark.security
+@pytest.mark.parametrize(
+    ("pattern", "why"),
+    [
+        ("127.0.0.3", "an exact host ALLOW_HTTP_HOSTS does not list"),
+        ("*.example.com", "a wildcard over another domain"),
+        ("sandbox.test", "the root domain, which *.sandbox.test does not match"),
+    ],
+)
+def test_network_pattern_that_would_widen_the_policy_is_a_400(run_net: RunNet, pattern: str, why: str) -> None:
+    result = run_net("console.log('RAN')", ["127.0.0.1", pattern])
+    assert result.status == 400, why
+    assert result.body["pattern"] == pattern
+    assert result.body["error"].startswith(f"Network pattern not allowed: {pattern} would widen")
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("pattern", ["https://127.0.0.1", "127.0.0.1:80", "*"])
+def test_malformed_network_pattern_is_a_400(run_net: RunNet, pattern: str) -> None:
+    result = run_net("console.log('RAN')", [pattern])
+    assert result.status == 400
+    assert result.body["error"].startswith(f"Invalid network.allow entry {pattern!r}")
+
+
+@pytest.mark.docker
+@pytest.mark.security
+def test_without_network_every_attempt_fails_as_before(
+    run_net: RunNet, network_service: Service, upstream: str, https_port: int
+) -> None:
+    port = port_of(upstream)
+    result = run_net(
+        f"""
+        const report = (what) => (e) => console.log(what, (e.cause || e).code);
+        fetch('http://127.0.0.1:{port}/').then(() => console.log('REACHED'), report('fetch'));
+        require('http').get('http://127.0.0.1:{port}/', () => console.log('REACHED')).on('error', report('http'));
+        require('https').get('https://127.0.0.1:{https_port}/', () => console.log('REACHED'))
+          .on('error', report('https'));
+        """
+    )
+    assert sorted(result.stdout.splitlines()) == ["fetch ECONNREFUSED", "http ECONNREFUSED", "https ECONNREFUSED"]
+    finished = finished_record(network_service, result)
+    assert finished["network"] is None
+    assert finished["security"]["mounts"] == []
+
+
+@pytest.mark.docker
+@pytest.mark.security
+def test_network_execution_has_only_loopback_no_raw_sockets_and_no_dns_of_its_own(run_net: RunNet) -> None:
+    result = run_net(
+        """
+        const blocked = (name) => { try { require(name); return 'LOADED'; } catch (e) { return e.code; } };
+        console.log(JSON.stringify(Object.keys(require('os').networkInterfaces())));
+        console.log(['net', 'tls', 'dgram', 'http2'].map(blocked).join(' '));
+        require('dns').promises.resolve4('api.sandbox.invalid').then(() => console.log('RESOLVED'),
+          () => console.log('dns FAILED'));
+        """,
+        ["127.0.0.1"],
+    )
+    assert result.stdout.splitlines() == [
+        '["lo"]',
+        " ".join(["ERR_METAAGENT_BLOCKED_MODULE"] * 4),
+        "dns FAILED",
+    ]
+
+
+@pytest.mark.docker
+def test_byte_limit_cuts_the_tunnel(run_net: RunNet, network_service: Service, upstream: str) -> None:
+    result = run_net(
+        f"""
+        fetch('http://127.0.0.1:{port_of(upstream)}/bytes?n={2 * MAX_TUNNEL_BYTES}')
+          .then((r) => r.arrayBuffer())
+          .then((b) => console.log('RECEIVED', b.byteLength), (e) => console.log('CUT', e.name));
+        """,
+        ["127.0.0.1"],
+    )
+    assert result.stdout == "CUT TypeError\n"
+    finished = finished_record(network_service, result)
+    tunnels = finished["network"]["tunnels"]
+    assert tunnels["byte_limit_reached"]
+    assert tunnels["bytes_to_upstream"] + tunnels["bytes_from_upstream"] <= MAX_TUNNEL_BYTES
+
+
+@pytest.mark.docker
+def test_tunnels_and_volume_are_gone_after_the_execution(
+    run_net: RunNet, docker_client: docker.DockerClient, containers_of: Callable[[str], list[str]]
+) -> None:
+    with holding_server() as (port, upstream_closed):
+        result = run_net(f"require('http').get('http://127.0.0.1:{port}/')", ["127.0.0.1"], timeout_s=2)
+        assert result.timed_out
+        assert upstream_closed.wait(30)
+    execution_id = result.body["execution_id"]
+    volumes = docker_client.volumes.list(filters={"label": f"org.metaagent.execution={execution_id}"})
+    assert volumes == []
+    assert containers_of(execution_id) == []
+
+
+@pytest.mark.docker
+def test_service_start_removes_volumes_left_by_a_dead_service(
+    docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
+    labels = {"org.metaagent.service": "metaagent", "org.metaagent.execution": "exe_orphanvolume"}
+    orphan = docker_client.volumes.create(labels={**labels, "org.metaagent.owner-pid": "999999999"})
+    alive = docker_client.volumes.create(labels={**labels, "org.metaagent.owner-pid": str(os.getpid())})
+    try:
+        with serving(tmp_path, METAAGENT_SANDBOX_BUILD_ON_START="false"):
+            for _ in range(100):
+                if orphan.name not in volume_names(docker_client, "exe_orphanvolume"):
+                    break
+                time.sleep(0.1)
+        assert volume_names(docker_client, "exe_orphanvolume") == [alive.name]
+    finally:
+        for volume in (orphan, alive):
+            with contextlib.suppress(docker.errors.NotFound):
+                volume.remove(force=True)
+
+
+def volume_names(client: docker.DockerClient, execution_id: str) -> list[str]:
+    found = client.volumes.list(filters={"label": f"org.metaagent.execution={execution_id}"})
+    return [str(v.name) for v in found]
+
+
+# --- the container of a network execution -------------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.security
+def test_network_execution_reveals_no_host_path_outside_the_engine_data_root(
+    network_service: Service, docker_client: docker.DockerClient, tmp_path: Path, upstream: str
+) -> None:
+    # Without the runner (`node -e`), so the program may read mountinfo and use net itself.
+    code = f"""
+        const fs = require('fs');
+        const mounts = fs.readFileSync('/proc/self/mountinfo', 'utf8').trim().split('\\n')
+          .map((line) => {{ const f = line.split(' '); return {{ root: f[3], at: f[4] }}; }});
+        const interfaces = Object.keys(require('os').networkInterfaces());
+        const routes = fs.readFileSync('/proc/net/route', 'utf8').trim().split('\\n').length - 1;
+        const socket = require('net').connect('/run/metaagent/egress.sock');
+        socket.on('connect', () => socket.write('127.0.0.1:{port_of(upstream)}\\n'));
+        socket.once('data', (reply) => {{
+          console.log(JSON.stringify({{ mounts, interfaces, routes, reply: String(reply), uid: process.getuid() }}));
+          process.exit(0);
+        }});
+    """
+
+    async def go() -> Outcome:
+        engine = Engine()
+        guard = EgressGuard(AllowList.of("127.0.0.1"), audit=AuditLog(tmp_path / "audit.jsonl"))
+        sandbox_network = SandboxNetwork(engine, guard, NetworkLimits(max_tunnels=2, max_bytes=1 << 20))
+        execution = Execution(new_execution_id(), 10, 256)
+        network = sandbox_network.for_execution(execution.execution_id, AllowList.of("127.0.0.1"))
+        command = ["/usr/bin/node", "-e", code]
+        spec = container_spec(execution.execution_id, image_tag(), 256, 0.5, network.mounts, command)
+        try:
+            async with network:
+                return await execute(engine, spec, b"", execution, timeout_s=10, grace_s=2, ready_marker=b"")
+        finally:
+            engine.close()
+
+    runner: Callable[[], Coroutine[Any, Any, Outcome]] = go
+    outcome = anyio.run(runner)
+    assert outcome.exit_code == 0, outcome.stderr.text()
+    report = json.loads(outcome.stdout.text())
+    assert report["reply"] == "OK\n"  # uid 1001 reaches the socket through the read-only mount
+    assert report["uid"] == 1001
+    assert report["interfaces"] == ["lo"]
+    assert report["routes"] == 0
+    data_root = docker_client.info()["DockerRootDir"]
+    docker_files = {"/etc/hostname", "/etc/hosts", "/etc/resolv.conf"}
+    for mount in report["mounts"]:
+        if mount["at"] in docker_files or mount["at"] == "/run/metaagent":
+            assert mount["root"].startswith(f"{data_root}/"), mount
+        elif mount["root"] != "/":
+            assert mount["at"].startswith(("/proc", "/sys", "/dev")), mount
+    assert any(m["at"] == "/run/metaagent" for m in report["mounts"])
+    text = outcome.stdout.text()
+    for host_path in ("/work", "/root", str(tmp_path), "/var/cache/metaagent", "/tmp/"):
+        assert host_path not in text
+
+
+# --- the service's side, without containers ---------------------------------------------------------------
+
+
+def test_an_execution_list_may_narrow_the_service_list(tmp_path: Path) -> None:
+    guard = EgressGuard(AllowList.of("*.example.com", "127.0.0.1"))
+    network = SandboxNetwork(Engine(), guard, NetworkLimits(8, 1 << 20))
+    narrowed = network.allowlist_for(["api.example.com", "*.eu.example.com", "127.0.0.1"])
+    assert narrowed.patterns == ("api.example.com", "*.eu.example.com", "127.0.0.1")
+    with pytest.raises(RequestRefused, match=r"^Network pattern not allowed: example\.com would widen"):
+        network.allowlist_for(["example.com"])
+
+
+def test_extra_ca_certs_keep_only_the_certificates(tmp_path: Path, sandbox_ca: trustme.CA) -> None:
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(sandbox_ca.cert_pem.bytes() + sandbox_ca.private_key_pem.bytes())
+    pem = read_extra_ca_certs(bundle)
+    assert pem.strip() == sandbox_ca.cert_pem.bytes().strip()
+    assert b"PRIVATE KEY" not in pem
+
+
+@pytest.mark.parametrize(("content", "message"), [(None, "cannot read"), (b"not a pem", "holds no PEM certificate")])
+def test_unusable_extra_ca_certs_refuse_the_configuration(tmp_path: Path, content: bytes | None, message: str) -> None:
+    bundle = tmp_path / "bundle.pem"
+    if content is not None:
+        bundle.write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        read_extra_ca_certs(bundle)

@@ -1,0 +1,250 @@
+"""The tunnel server on its own: a real Unix socket, real upstream servers on 127.0.0.1, the real guard."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import pytest
+
+from metaagent.audit import AuditLog
+from metaagent.egress.allowlist import AllowList
+from metaagent.egress.guard import EgressGuard
+from metaagent.sandbox.tunnel import TunnelPolicy, TunnelRefused, TunnelStats, parse_target, serving
+
+pytestmark = pytest.mark.security
+
+EXECUTION = "exe_tunneltest"
+
+
+def guard_for(tmp_path: Path, *patterns: str) -> EgressGuard:
+    return EgressGuard(AllowList.of(*patterns), audit=AuditLog(tmp_path / "audit.jsonl"))
+
+
+def audit_records(tmp_path: Path) -> list[dict[str, object]]:
+    path = tmp_path / "audit.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@asynccontextmanager
+async def tunnel_server(
+    tmp_path: Path,
+    allow: tuple[str, ...] = ("127.0.0.1",),
+    service_allow: tuple[str, ...] = ("127.0.0.1", "127.0.0.2", "localhost"),
+    **limits: float,
+) -> AsyncIterator[tuple[Path, TunnelStats]]:
+    path = tmp_path / "egress.sock"
+    policy = TunnelPolicy(
+        execution_id=EXECUTION,
+        allowlist=AllowList.of(*allow),
+        guard=guard_for(tmp_path, *service_allow),
+        max_tunnels=int(limits.pop("max_tunnels", 8)),
+        max_bytes=int(limits.pop("max_bytes", 1 << 20)),
+        **limits,
+    )
+    async with serving(path, policy) as stats:
+        yield path, stats
+
+
+async def open_tunnel(path: Path, target: str) -> tuple[anyio.abc.SocketStream, bytes]:
+    """Connects, asks for `target` and returns the stream and the service's reply line."""
+    stream = await anyio.connect_unix(path)
+    await stream.send(f"{target}\n".encode())
+    reply = b""
+    while not reply.endswith(b"\n"):
+        chunk = await stream.receive()
+        reply += chunk
+    return stream, reply
+
+
+async def http_get(stream: anyio.abc.SocketStream, path: str) -> bytes:
+    await stream.send(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    received = b""
+    try:
+        while True:
+            received += await stream.receive()
+    except (anyio.EndOfStream, anyio.BrokenResourceError):
+        pass
+    return received
+
+
+@contextmanager
+def holding_server() -> Iterator[tuple[int, threading.Event]]:
+    """A TCP server on 127.0.0.1 that never answers; the event is set when its first client hangs up."""
+    closed = threading.Event()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while conn.recv(4096):
+                pass
+        closed.set()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1], closed
+    finally:
+        listener.close()
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+async def test_allowed_host_is_tunnelled_and_bytes_are_counted(tmp_path: Path, upstream: str) -> None:
+    async with tunnel_server(tmp_path) as (path, stats):
+        stream, reply = await open_tunnel(path, f"127.0.0.1:{port_of(upstream)}")
+        async with stream:
+            response = await http_get(stream, "/bytes?n=1000")
+    assert reply == b"OK\n"
+    assert response.startswith(b"HTTP/1.1 200")
+    assert response.endswith(b"x" * 1000)
+    assert stats.opened == 1
+    assert stats.bytes_from_upstream == len(response)
+    assert stats.bytes_to_upstream > 0
+    assert not (tmp_path / "egress.sock").exists()
+
+
+async def test_host_outside_the_execution_list_is_refused_and_logged_even_when_on_allow_http_hosts(
+    tmp_path: Path, upstream: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = port_of(upstream)
+    with caplog.at_level(logging.WARNING, logger="metaagent.security"):
+        async with tunnel_server(tmp_path, allow=("127.0.0.1",)) as (path, stats):
+            stream, reply = await open_tunnel(path, f"127.0.0.2:{port}")
+            await stream.aclose()
+    assert reply == (
+        b"ERR ERR_METAAGENT_HOST_BLOCKED Host 127.0.0.2 is not allowed: "
+        b"it is not on this execution's network allow-list\n"
+    )
+    line = f"[SECURITY] Blocked HTTP request to disallowed host: 127.0.0.2 (CONNECT 127.0.0.2:{port})"
+    assert line in caplog.messages
+    blocked = [r for r in audit_records(tmp_path) if r["event"] == "egress.blocked"]
+    assert len(blocked) == 1
+    assert blocked[0]["host"] == "127.0.0.2"
+    assert blocked[0]["port"] == port
+    assert blocked[0]["execution_id"] == EXECUTION
+    assert blocked[0]["tool"] == "code_interpreter"
+    assert (stats.opened, stats.refused) == (0, 1)
+    assert stats.refusals[0]["host"] == "127.0.0.2"
+    assert stats.refusals[0]["port"] == port
+
+
+async def test_name_that_resolves_to_loopback_is_refused_by_the_address_policy(
+    tmp_path: Path, upstream: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # localhost is on both lists, but only exact IP entries may lead to loopback addresses.
+    with caplog.at_level(logging.WARNING, logger="metaagent.security"):
+        async with tunnel_server(tmp_path, allow=("localhost",)) as (path, stats):
+            stream, reply = await open_tunnel(path, f"localhost:{port_of(upstream)}")
+            await stream.aclose()
+    assert reply.startswith(b"ERR ERR_METAAGENT_HOST_BLOCKED Host localhost is not allowed: localhost resolves to")
+    assert b"loopback" in reply
+    assert any(m.startswith("[SECURITY] Blocked HTTP request to loopback address: localhost") for m in caplog.messages)
+    assert stats.refused == 1
+
+
+async def test_unreachable_allowed_host_fails_with_connection_refused(tmp_path: Path) -> None:
+    with socket.socket() as probe:  # a port with nothing listening
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with tunnel_server(tmp_path) as (path, stats):
+        stream, reply = await open_tunnel(path, f"127.0.0.1:{port}")
+        await stream.aclose()
+    assert reply.startswith(b"ERR ECONNREFUSED connecting to 127.0.0.1:")
+    assert (stats.failed, stats.refused) == (1, 0)
+
+
+async def test_too_many_concurrent_tunnels_are_refused(tmp_path: Path) -> None:
+    async with tunnel_server(tmp_path, max_tunnels=2, slot_wait_s=0.5) as (path, stats):
+        # Two connections take both slots, two more wait for one; the fifth is refused at once.
+        held = [await anyio.connect_unix(path) for _ in range(4)]
+        stream, reply = await open_tunnel(path, "127.0.0.1:80")
+        await stream.aclose()
+        assert reply == b"ERR ERR_METAAGENT_TUNNEL_LIMIT too many connections at once (at most 2)\n"
+        # The waiting ones are refused too when no slot frees up in time.
+        for waiting in held[2:]:
+            assert (await waiting.receive()).startswith(b"ERR ERR_METAAGENT_TUNNEL_LIMIT")
+        for connection in held:
+            await connection.aclose()
+    assert [r["code"] for r in stats.refusals].count("ERR_METAAGENT_TUNNEL_LIMIT") == 3
+
+
+async def test_byte_limit_cuts_the_tunnel_and_refuses_new_ones(tmp_path: Path, upstream: str) -> None:
+    async with tunnel_server(tmp_path, max_bytes=10_000) as (path, stats):
+        stream, reply = await open_tunnel(path, f"127.0.0.1:{port_of(upstream)}")
+        async with stream:
+            response = await http_get(stream, "/bytes?n=50000")
+        assert reply == b"OK\n"
+        assert len(response) <= 10_000
+        assert stats.byte_limit_reached
+        assert stats.bytes_total <= 10_000
+        second, second_reply = await open_tunnel(path, f"127.0.0.1:{port_of(upstream)}")
+        await second.aclose()
+    assert second_reply.startswith(b"ERR ERR_METAAGENT_TUNNEL_LIMIT the execution moved its 10000 bytes")
+
+
+async def test_leaving_the_server_closes_every_tunnel(tmp_path: Path) -> None:
+    with holding_server() as (port, upstream_closed):
+        async with tunnel_server(tmp_path) as (path, stats):
+            stream, reply = await open_tunnel(path, f"127.0.0.1:{port}")
+            await stream.send(b"GET / HTTP/1.1\r\n\r\n")
+            assert reply == b"OK\n"
+        assert upstream_closed.wait(30)
+        with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+            await stream.receive()
+        await stream.aclose()
+    assert stats.opened == 1
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "no-port",
+        "a b:80",
+        "host:99999",
+        "host:0",
+        "user@host:80",
+        "host/path:80",
+        "[not-ipv6]:443",
+        "h" * 600 + ":80",
+        "bad%zz:80",
+    ],
+)
+async def test_malformed_request_lines_are_refused(tmp_path: Path, line: str) -> None:
+    async with tunnel_server(tmp_path) as (path, stats):
+        stream, reply = await open_tunnel(path, line)
+        await stream.aclose()
+    assert reply.startswith(b"ERR ERR_METAAGENT_BAD_TUNNEL_REQUEST ")
+    assert stats.refused == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("api.example.com:443", ("api.example.com", 443)),
+        ("API.Example.COM.:443", ("api.example.com", 443)),
+        ("[::1]:8080", ("::1", 8080)),
+        ("0x7f.1:80", ("127.0.0.1", 80)),  # read as a URL host is read, so the guard sees the real address
+        ("2130706433:80", ("127.0.0.1", 80)),
+    ],
+)
+def test_request_targets_are_read_like_url_hosts(line: str, expected: tuple[str, int]) -> None:
+    assert parse_target(line.encode()) == expected
+
+
+def test_a_request_target_with_a_control_character_is_refused() -> None:
+    with pytest.raises(TunnelRefused):
+        parse_target(b"evil\x00.example.com:443")
