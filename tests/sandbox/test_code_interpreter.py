@@ -30,9 +30,9 @@ BENIGN = {
         "(async () => { await wait(10); console.log('awaited'); })()",
         "awaited\n",
     ),
-    "timers": (
-        "setTimeout(() => console.log('b'), 20); setImmediate(() => console.log('a'));"
-        "const i = setInterval(() => { console.log('c'); clearInterval(i); }, 40)",
+    "timers": (  # each timer set by the one before: the order holds however slowly the container runs
+        "setImmediate(() => { console.log('a'); setTimeout(() => { console.log('b');"
+        " const i = setInterval(() => { console.log('c'); clearInterval(i); }, 10); }, 20); })",
         "a\nb\nc\n",
     ),
     "buffer": ("console.log(Buffer.from('héllo').toString('base64'))", "aMOpbGxv\n"),

@@ -8,7 +8,6 @@ import socket
 import stat
 import struct
 import tarfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -149,9 +148,7 @@ def test_changing_the_runner_changes_the_tag(tmp_path: Path, monkeypatch: pytest
 
 def test_second_build_is_served_from_the_existing_image(client: docker.DockerClient, sandbox: str) -> None:
     lines: list[str] = []
-    started = time.monotonic()
     image_id = build_image(client, cache_dir=CACHE_DIR, progress=lines.append)
-    assert time.monotonic() - started < 5
     assert image_id == client.images.get(sandbox).id
     assert image_present(client)
     assert lines == [f"{sandbox} is already built"]
