@@ -127,3 +127,20 @@ def _json_problem(error: Mapping[str, Any]) -> str:
     offset = error["loc"][-1] if error.get("loc") else None
     where = f" at character {offset}" if isinstance(offset, int) else ""
     return f"not valid JSON ({reason}{where}); send a JSON object"
+
+
+def sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one error inside a task group's exception group, or the group itself when there are several.
+
+    anyio task groups wrap even a single failure in a group; callers and the HTTP error handlers expect
+    the error itself (a 503 from the engine, say), not a group that would become a 500.
+    """
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        else:
+            leaves.append(current)
+    return leaves[0] if len(leaves) == 1 else group

@@ -294,3 +294,32 @@ def test_kill_of_a_container_that_already_exited_is_harmless() -> None:
             engine.close()
 
     anyio.run(go)
+
+
+def test_deadlines_hold_when_more_executions_run_than_the_default_worker_threads(sandbox_service: object) -> None:
+    """Each running execution waits for its container in a thread; those waits must not take the
+    threads that the kills at the deadlines need (anyio's default pool, here shrunk to 3)."""
+
+    async def go() -> list[Outcome]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = 3
+        engine = Engine()
+        outcomes: list[Outcome] = []
+
+        async def one() -> None:
+            execution = Execution(new_execution_id(), 1, 128)
+            command = ["/usr/bin/node", "-e", "for (;;) {}"]
+            spec = container_spec(execution.execution_id, image_tag(), 128, 0.5, command=command)
+            outcomes.append(await execute(engine, spec, b"", execution, timeout_s=1, grace_s=1, ready_marker=b""))
+
+        try:
+            with anyio.fail_after(120):  # without threads of their own the kills never run: a hang
+                async with anyio.create_task_group() as group:
+                    for _ in range(5):
+                        group.start_soon(one)
+        finally:
+            engine.close()
+        return outcomes
+
+    outcomes = anyio.run(go)
+    assert len(outcomes) == 5
+    assert all(o.timed_out for o in outcomes)

@@ -17,7 +17,7 @@ import pytest
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard
-from metaagent.sandbox.tunnel import TunnelPolicy, TunnelRefused, TunnelStats, parse_target, serving
+from metaagent.sandbox.tunnel import MAX_REFUSALS, TunnelPolicy, TunnelRefused, TunnelStats, parse_target, serving
 
 pytestmark = pytest.mark.security
 
@@ -248,3 +248,22 @@ def test_request_targets_are_read_like_url_hosts(line: str, expected: tuple[str,
 def test_a_request_target_with_a_control_character_is_refused() -> None:
     with pytest.raises(TunnelRefused):
         parse_target(b"evil\x00.example.com:443")
+
+
+async def test_a_flood_of_refused_hosts_is_capped_in_the_log_and_the_audit_trail(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    async with tunnel_server(tmp_path) as (path, stats):
+        replies = []
+        for n in range(MAX_REFUSALS + 20):
+            stream, reply = await open_tunnel(path, f"blocked{n}.example:443")
+            await stream.aclose()
+            replies.append(reply)
+    assert stats.refused == MAX_REFUSALS + 20  # every refusal is counted
+    assert all(r.startswith(b"ERR ") for r in replies)
+    assert b"no more tunnels" in replies[-1]
+    blocked = [r for r in audit_records(tmp_path) if r["event"] == "egress.blocked"]
+    security_lines = [r for r in caplog.records if "[SECURITY]" in r.getMessage()]
+    assert len(blocked) == MAX_REFUSALS  # the rest were refused unheard
+    assert len(security_lines) == MAX_REFUSALS

@@ -33,6 +33,7 @@ SERVICE_LABEL = "org.metaagent.service"
 EXECUTION_LABEL = "org.metaagent.execution"
 OWNER_PID_LABEL = "org.metaagent.owner-pid"
 SANDBOX_UID = "1001:1001"
+_MAX_WAITING_THREADS = 1024
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -118,6 +119,7 @@ class Engine:
     def __init__(self, base_url: str | None = None) -> None:
         self._base_url = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
         self._client: docker.DockerClient | None = None
+        self._waits: anyio.CapacityLimiter | None = None
 
     @_engine_errors
     def _docker(self) -> docker.DockerClient:
@@ -229,7 +231,12 @@ class Engine:
 
     async def wait(self, container_id: str) -> int:
         """Blocks (in a thread) until the container exits; returns its exit status."""
-        result = await self._run(self.api.wait, container_id, timeout=None)
+        # Each running execution holds a thread here for its whole run. They get threads of their own,
+        # so that however many run, the kills at their deadlines still find one among the default 40.
+        if self._waits is None:
+            self._waits = anyio.CapacityLimiter(_MAX_WAITING_THREADS)
+        call = functools.partial(_engine_errors(self.api.wait), container_id, timeout=None)
+        result = await anyio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=self._waits)
         return int(result.get("StatusCode", -1))
 
     async def state(self, container_id: str) -> ContainerState:

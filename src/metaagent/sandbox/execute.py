@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from metaagent.errors import sole_error
 from metaagent.executions import Execution
 from metaagent.sandbox.engine import ContainerSpec, Engine, sock_recv, sock_sendall
 from metaagent.sandbox.output import CappedBuffer, Demultiplexer
@@ -172,39 +173,42 @@ async def _run(
             drained.set()
 
     timed_out = killed = False
-    async with anyio.create_task_group() as group:
-        group.start_soon(watch_exit)
-        group.start_soon(pump)
-        if not output.ready:  # a cold container: the clock starts once its runner waits for the code
-            with anyio.move_on_after(START_TIMEOUT_S):
-                await _first(settled, exited, drained, execution.kill_requested)
-        if output.ready:  # otherwise the runner failed to start: its exit and stderr say why
-            try:
-                await sock_sendall(sock, data)
-                sock.shutdown(socket.SHUT_WR)  # EOF on the container's stdin
-            except OSError:
-                pass  # the container ended already
-        started = time.monotonic()
-        execution.state = "running"
-        with anyio.move_on_after(timeout_s):
-            await _first(exited, execution.kill_requested)
-        if execution.kill_requested.is_set() and not exited.is_set():
-            killed = True
-            await engine.kill(container_id, "SIGKILL")
-        elif not exited.is_set():
-            timed_out = True
-            execution.state = "stopping"
-            await engine.kill(container_id, "SIGTERM")
-            with anyio.move_on_after(grace_s):
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch_exit)
+            group.start_soon(pump)
+            if not output.ready:  # a cold container: the clock starts once its runner waits for the code
+                with anyio.move_on_after(START_TIMEOUT_S):
+                    await _first(settled, exited, drained, execution.kill_requested)
+            if output.ready:  # otherwise the runner failed to start: its exit and stderr say why
+                try:
+                    await sock_sendall(sock, data)
+                    sock.shutdown(socket.SHUT_WR)  # EOF on the container's stdin
+                except OSError:
+                    pass  # the container ended already
+            started = time.monotonic()
+            execution.state = "running"
+            with anyio.move_on_after(timeout_s):
                 await _first(exited, execution.kill_requested)
-            if not exited.is_set():
+            if execution.kill_requested.is_set() and not exited.is_set():
+                killed = True
                 await engine.kill(container_id, "SIGKILL")
-        with anyio.move_on_after(_EXIT_AFTER_KILL_S):
-            await exited.wait()
-        duration_ms = int((time.monotonic() - started) * 1000)
-        with anyio.move_on_after(_DRAIN_AFTER_EXIT_S):
-            await drained.wait()
-        group.cancel_scope.cancel()
+            elif not exited.is_set():
+                timed_out = True
+                execution.state = "stopping"
+                await engine.kill(container_id, "SIGTERM")
+                with anyio.move_on_after(grace_s):
+                    await _first(exited, execution.kill_requested)
+                if not exited.is_set():
+                    await engine.kill(container_id, "SIGKILL")
+            with anyio.move_on_after(_EXIT_AFTER_KILL_S):
+                await exited.wait()
+            duration_ms = int((time.monotonic() - started) * 1000)
+            with anyio.move_on_after(_DRAIN_AFTER_EXIT_S):
+                await drained.wait()
+            group.cancel_scope.cancel()
+    except BaseExceptionGroup as group_error:  # an engine failure in a task: raise it, not its group
+        raise sole_error(group_error) from None
     state = await engine.state(container_id)
     exit_code = status[0] if status else state.exit_code
     return Outcome(

@@ -44,8 +44,9 @@ class Warm:
 
 def _still_waiting(warm: Warm) -> bool:
     """A waiting runner writes nothing after its ready line; more output or EOF means it died."""
-    readable, _, _ = select.select([warm.prepared.sock], [], [], 0)
-    return not readable
+    poller = select.poll()  # not select(): a busy service has descriptors past FD_SETSIZE
+    poller.register(warm.prepared.sock, select.POLLIN)
+    return not poller.poll(0)
 
 
 class WarmPool:
@@ -141,7 +142,12 @@ class WarmPool:
             execution_id = new_execution_id()
             spec = self._make_spec(execution_id, tag)
             prepared = await prepare(self.engine, spec, start=True)
-            if not await wait_ready(prepared):
+            try:
+                ready = await wait_ready(prepared)
+            except BaseException:  # cancelled (a shutdown) while the runner started: nobody else knows it
+                await self._remove(Warm(execution_id, spec, prepared))
+                raise
+            if not ready:
                 await self._remove(Warm(execution_id, spec, prepared))
                 raise Unavailable(f"the runner did not start: {prepared.output.stderr.text()[:300]!r}")
         except Exception as exc:  # a background worker: whatever failed, back off and try again

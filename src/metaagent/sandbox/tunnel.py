@@ -40,7 +40,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard, escape_for_log
 from metaagent.egress.url import parse_host
-from metaagent.errors import EgressRefused, HostBlocked, UpstreamError, UpstreamTimeout
+from metaagent.errors import EgressRefused, HostBlocked, UpstreamError, UpstreamTimeout, sole_error
 
 log = logging.getLogger("metaagent.tunnel")
 
@@ -48,6 +48,9 @@ TOOL = "code_interpreter"
 MAX_REQUEST_LINE = 512
 REQUEST_LINE_TIMEOUT_S = 10.0
 CHUNK = 64 * 1024
+# Refusals an execution may provoke: each host refusal writes a [SECURITY] line and an egress.blocked
+# record, so past this every request is refused unheard (and only counted).
+MAX_REFUSALS = 50
 # Refusals kept in the execution's audit record; each host refusal also has its own egress.blocked record.
 MAX_RECORDED_REFUSALS = 50
 
@@ -192,6 +195,10 @@ class _Tunnels:
             except (anyio.DelimiterNotFound, anyio.IncompleteRead, TimeoutError):
                 raise TunnelRefused(BAD_REQUEST, "no host:port line") from None
             host, port = parse_target(line)
+            if self.stats.refused >= MAX_REFUSALS:
+                raise TunnelRefused(
+                    TUNNEL_LIMIT, f"{MAX_REFUSALS} connections of this execution were refused; no more tunnels"
+                )
             if self.stats.byte_limit_reached:
                 raise TunnelRefused(TUNNEL_LIMIT, f"the execution moved its {self.policy.max_bytes} bytes already")
             upstream = await self._connect(host, port)
@@ -236,7 +243,9 @@ class _Tunnels:
         self, client: anyio.abc.SocketStream, host: str | None, port: int | None, refused: TunnelRefused
     ) -> None:
         self.stats.refuse(host, port, refused.code, refused.message)
-        if refused.code != HOST_BLOCKED:  # the guard logged host refusals with the [SECURITY] line
+        # The guard logged host refusals with the [SECURITY] line; past the cap nothing more is logged,
+        # so a program that hammers blocked hosts cannot flood the log or the audit trail.
+        if refused.code != HOST_BLOCKED and self.stats.refused <= MAX_REFUSALS:
             log.warning("execution %s: tunnel refused: %s", self.policy.execution_id, refused.message)
         await client.send(f"ERR {refused.code} {escape_for_log(refused.message)}\n".encode())
 
@@ -322,6 +331,8 @@ async def serving(socket_path: Path, policy: TunnelPolicy) -> AsyncIterator[Tunn
                 yield stats
             finally:
                 group.cancel_scope.cancel()
+    except BaseExceptionGroup as group_error:  # the execution's own error, not wrapped by this task group
+        raise sole_error(group_error) from None
     finally:
         with anyio.CancelScope(shield=True):
             await listener.aclose()

@@ -1,0 +1,55 @@
+"""How `execute` reports an engine that fails mid-execution: as the engine's own error, never a group."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import anyio
+import pytest
+
+from metaagent.executions import Execution
+from metaagent.sandbox.engine import ContainerSpec, ContainerState, EngineUnavailable
+from metaagent.sandbox.execute import execute
+
+SPEC = ContainerSpec(name="n", image="i", command=["c"], memory_mb=256, cpus=0.5, labels={})
+
+
+class EngineThatDiesWhileWaiting:
+    """Pure logic: the container 'runs' until the engine goes away under `wait`."""
+
+    def __init__(self) -> None:
+        self.ours, self.theirs = socket.socketpair()
+        self.ours.setblocking(False)
+        self.removed: list[str] = []
+
+    async def create(self, spec: ContainerSpec) -> str:
+        return "c1"
+
+    async def attach(self, container_id: str) -> socket.socket:
+        return self.ours
+
+    async def start(self, container_id: str) -> None:
+        pass
+
+    async def wait(self, container_id: str) -> int:
+        await anyio.sleep(0.01)
+        raise EngineUnavailable("The container engine is unavailable (gone); start it with scripts/ensure-docker")
+
+    async def kill(self, container_id: str, signal: str) -> None:
+        raise EngineUnavailable("The container engine is unavailable (gone); start it with scripts/ensure-docker")
+
+    async def state(self, container_id: str) -> ContainerState:
+        return ContainerState(None, oom_killed=False)
+
+    async def remove(self, container_id: str) -> None:
+        self.removed.append(container_id)
+
+
+async def test_an_engine_failure_mid_execution_is_raised_as_itself_and_the_container_removed() -> None:
+    engine: Any = EngineThatDiesWhileWaiting()
+    execution = Execution("exe_x", 5, 256)
+    with pytest.raises(EngineUnavailable, match="engine is unavailable"):
+        await execute(engine, SPEC, b"", execution, timeout_s=5, grace_s=1, ready_marker=b"")
+    assert engine.removed == ["c1"]
+    engine.theirs.close()
