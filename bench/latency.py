@@ -110,10 +110,13 @@ def measure(
         "summaries": {name: Summary.of(values).as_dict() for name, values in samples.items()},
         "samples_ms": samples,
     }
-    if pooled_timer is not None:
-        result["pooled_paths"] = pooled_timer.paths()
-        result["pooled_code_duration_ms"] = Summary.of(pooled_timer.durations_ms).as_dict()
-    if cold_timer is not None:
-        result["cold_paths"] = cold_timer.paths()
-        result["cold_code_duration_ms"] = Summary.of(cold_timer.durations_ms).as_dict()
+    for key, name, timer in (("pooled", POOLED, pooled_timer), ("cold", COLD, cold_timer)):
+        if timer is None:
+            continue
+        result[f"{key}_paths"] = timer.paths()
+        # The response's duration_ms runs from the code's hand-over to the container's exit; the rest of
+        # each request is the service's own part: HTTP, admission, (cold) the start, inspect, remove, audit.
+        result[f"{key}_code_duration_ms"] = Summary.of(timer.durations_ms).as_dict()
+        outside = [total - code for total, code in zip(samples[name], timer.durations_ms, strict=True)]
+        result[f"{key}_outside_code_ms"] = Summary.of(outside).as_dict()
     return result

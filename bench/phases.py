@@ -13,10 +13,12 @@ admission and audit.
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -30,6 +32,8 @@ from metaagent.sandbox.execute import Prepared, execute, payload, prepare, wait_
 from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB, container_spec
 
 EXECUTE = "execute (the request's engine part)"
+# Prints once node is up, then waits on stdin as a warm runner does (so its CPU time can be read).
+_PLAIN_NODE = ("/usr/bin/node", "-e", "process.stdout.write('up\\n'); process.stdin.resume()")
 
 
 class TimedEngine(Engine):
@@ -106,6 +110,46 @@ class StreamClock:
         vars(execute_module)["sock_recv"] = self._real
 
 
+_CPU_USAGE_FILES = (
+    "/sys/fs/cgroup/cpuacct/docker/{id}/cpuacct.usage",  # cgroup v1, cgroupfs driver: nanoseconds
+    "/sys/fs/cgroup/docker/{id}/cpu.stat",  # cgroup v2, cgroupfs driver: usage_usec
+    "/sys/fs/cgroup/system.slice/docker-{id}.scope/cpu.stat",  # cgroup v2, systemd driver
+)
+
+
+def container_cpu_ms(container_id: str) -> float | None:
+    """CPU time the container's processes have used so far (all CPUs), from its cgroup; None if unknown.
+
+    Unlike wall time it hardly depends on the machine's load, so it shows what each start costs.
+    """
+    for template in _CPU_USAGE_FILES:
+        try:
+            text = Path(template.format(id=container_id)).read_text()
+        except OSError:
+            continue
+        if template.endswith("cpuacct.usage"):
+            return int(text) / 1e6
+        for line in text.splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1]) / 1e3
+    return None
+
+
+async def _plain_node(engine: TimedEngine, image: str, cpus: float) -> tuple[float, float | None]:
+    """Wall time from create to a bare `node -e` having printed, and its CPU time then: the runner's baseline."""
+    spec = container_spec(new_execution_id(), image, DEFAULT_MEMORY_MB, cpus, command=list(_PLAIN_NODE))
+    started = time.perf_counter()
+    prepared = await prepare(engine, spec, start=True, ready_marker=b"")
+    try:
+        while not prepared.output.stdout.produced:
+            if not await prepared.read_some():
+                raise RuntimeError(f"node -e did not print: {prepared.output.stderr.text()[:300]!r}")
+        return (time.perf_counter() - started) * 1000, container_cpu_ms(prepared.container_id)
+    finally:
+        prepared.sock.close()
+        await engine.remove(prepared.container_id)
+
+
 async def _warm_container(engine: TimedEngine, image: str, cpus: float) -> tuple[str, ContainerSpec, Prepared]:
     execution_id = new_execution_id()
     spec = container_spec(execution_id, image, DEFAULT_MEMORY_MB, cpus)
@@ -124,6 +168,7 @@ async def _one(engine: TimedEngine, clock: StreamClock, image: str, cpus: float,
     execution_id, spec, prepared = await _warm_container(engine, image, cpus)
     warm_ms = (time.perf_counter() - started) * 1000
     start_calls = {name: engine.calls[name][0] for name in ("create", "attach", "start")}
+    warm_cpu_ms = container_cpu_ms(prepared.container_id)
     await anyio.sleep(0.2)  # the start's own work settles, as in a pool that waits for requests
     engine.calls.clear()
     clock.watch(prepared.sock)
@@ -150,6 +195,7 @@ async def _one(engine: TimedEngine, clock: StreamClock, image: str, cpus: float,
     output_ms = ((clock.first_data_at or started) - started) * 1000
     ended_ms = ((clock.ended_at or started) - started) * 1000
     return {
+        "warm_cpu_ms": math.nan if warm_cpu_ms is None else warm_cpu_ms,
         "warm_ms": warm_ms,
         **start_calls,
         "execute_ms": execute_ms,
@@ -170,6 +216,7 @@ async def _measure(image: str, cpus: float, iterations: int, warmup: int) -> dic
         for index in range(warmup + iterations):
             quiet = await _one(engine, clock, image, cpus, refill=False)
             busy = await _one(engine, clock, image, cpus, refill=True)
+            plain_ms, plain_cpu_ms = await _plain_node(engine, image, cpus)
             if index < warmup:
                 continue
             phases["warm start (pool, off the request path)"].append(quiet["warm_ms"])
@@ -186,6 +233,10 @@ async def _measure(image: str, cpus: float, iterations: int, warmup: int) -> dic
             phases["  inspect (state)"].append(quiet["state_ms"])
             phases["  remove"].append(quiet["remove_ms"])
             phases["execute while another warm container starts"].append(busy["execute_ms"])
+            phases["bare node -e in the same container: create to output"].append(plain_ms)
+            if plain_cpu_ms is not None and not math.isnan(quiet["warm_cpu_ms"]):
+                phases["CPU time of a warm start, in the container (runner + gate)"].append(quiet["warm_cpu_ms"])
+                phases["CPU time of bare node -e up, in the container"].append(plain_cpu_ms)
     finally:
         clock.uninstall()
         engine.close()

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.latency import COLD, DOCKER_RUN, EPICBOX, NODE, POOLED
-from bench.phases import EXECUTE
 from bench.stats import Target, format_number, ratio
 
 
@@ -83,10 +82,16 @@ def render(results: dict[str, Any]) -> str:
             f"Latency of console.log(1), end to end ({latency['rounds']} rounds, shuffled order)\n"
             + table(["contender", "p50", "p95", "mean", "p50 / node -e", "n"], rows)
         )
-        paths = [f"pooled requests' audit paths {latency.get('pooled_paths')}"]
-        if "cold_paths" in latency:
-            paths.append(f"pool-off requests' paths {latency['cold_paths']}")
-        parts.append("; ".join(paths))
+        notes = []
+        for key, label in (("pooled", "warm pool"), ("cold", "pool off")):
+            if f"{key}_paths" in latency:
+                code, outside = latency[f"{key}_code_duration_ms"], latency[f"{key}_outside_code_ms"]
+                notes.append(
+                    f"{label}: paths in the audit log {latency[f'{key}_paths']}; per request, the code's run "
+                    f"(hand-over to exit, the response's duration_ms) p50 {format_number(code['p50'], 'ms')}, "
+                    f"the rest p50 {format_number(outside['p50'], 'ms')}"
+                )
+        parts.append("\n".join(notes))
     throughput = results.get("throughput")
     if throughput:
         rows = []
@@ -141,13 +146,6 @@ def render(results: dict[str, Any]) -> str:
             [name, format_number(s["p50"], "ms"), format_number(s["p95"], "ms")]
             for name, s in phases["phases_ms"].items()
         ]
-        pooled = _p50(results, POOLED)
-        execute = phases["phases_ms"].get(EXECUTE)
-        if pooled is not None and execute is not None:
-            around = pooled - execute["p50"]
-            rows.append(
-                ["service around it: HTTP, admission, audit (e2e p50 - execute p50)", format_number(around, "ms"), ""]
-            )
         parts.append(
             f"Where a pooled execution's time goes (in-process, {phases['iterations']} executions)\n"
             + table(["phase", "p50", "p95"], rows)

@@ -61,7 +61,8 @@ def _latency(p50s: dict[str, float]) -> dict[str, object]:
         "rounds": 3,
         "summaries": {name: Summary.of([p50]).as_dict() for name, p50 in p50s.items()},
         "pooled_paths": {"warm": 3},
-        "cold_paths": {"cold": 3},
+        "pooled_code_duration_ms": Summary.of([20.0]).as_dict(),
+        "pooled_outside_code_ms": Summary.of([30.0]).as_dict(),
     }
 
 
@@ -101,6 +102,7 @@ def test_report_renders_a_partial_run_with_unmeasured_targets_marked() -> None:
     text = render({"machine": machine, "latency": _latency({NODE: 100.0, POOLED: 120.0})})
     assert "service, warm pool" in text
     assert "1.20x" in text
+    assert "paths in the audit log {'warm': 3}" in text
     assert "n/a" in text
     assert "miss" in text
 
