@@ -85,10 +85,18 @@ def _throughput(pooled: BenchService, image: str, cpus: float, args: argparse.Na
     levels = []
     for concurrency in args.concurrency:
         pooled.wait_pool_full()
+        before = set(pooled.container_paths())
         service = throughput.service(pooled.base_url, concurrency, args.duration)
+        paths = [path for execution_id, path in pooled.container_paths().items() if execution_id not in before]
         pooled.wait_pool_full()  # an idle service while the loop runs: its refills would slow the loop
         loop = throughput.docker_run_loop(image, cpus, concurrency, args.duration)
-        levels.append({"concurrency": concurrency, "service": service.as_dict(), "docker_run": loop.as_dict()})
+        levels.append(
+            {
+                "concurrency": concurrency,
+                "service": {**service.as_dict(), "warm": paths.count("warm"), "cold": paths.count("cold")},
+                "docker_run": loop.as_dict(),
+            }
+        )
         progress(f"throughput at {concurrency}: service {service.per_second:.2f}/s, docker run {loop.per_second:.2f}/s")
     return {"duration_s": args.duration, "levels": levels}
 

@@ -102,6 +102,7 @@ def render(results: dict[str, Any]) -> str:
                     str(level["concurrency"]),
                     format_number(svc["per_second"], "/s"),
                     f"{svc['errors']}/{svc['rejected']}",
+                    f"{svc.get('warm', '-')}/{svc.get('cold', '-')}",
                     format_number(loop["per_second"], "/s"),
                     str(loop["errors"]),
                     format_number(ratio(svc["per_second"], loop["per_second"]), "x"),
@@ -109,7 +110,7 @@ def render(results: dict[str, Any]) -> str:
             )
         parts.append(
             f"Throughput, executions/s over {throughput['duration_s']:g} s per level (service: warm pool on)\n"
-            + table(["concurrency", "service", "errors/429", "docker run loop", "errors", "ratio"], rows)
+            + table(["concurrency", "service", "errors/429", "warm/cold", "docker run loop", "errors", "ratio"], rows)
         )
     http = results.get("http_tool")
     if http:

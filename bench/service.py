@@ -126,6 +126,8 @@ class BenchService:
     def container_paths(self) -> dict[str, str]:
         """execution_id -> "warm" or "cold", from the audit log."""
         paths: dict[str, str] = {}
+        if not self.audit_log.exists():  # nothing audited yet
+            return paths
         for line in self.audit_log.read_text().splitlines():
             record = json.loads(line)
             if record.get("event") == "execution.finished":
