@@ -1,0 +1,202 @@
+"""`python -m bench` (or `scripts/bench`): every benchmark of issue 8 in one run on this machine.
+
+Prints the tables and the targets, and writes everything (samples included) with the machine's
+description to bench/results/latest.json. `--quick` is a smoke run: the same code, few iterations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import docker
+
+from bench import allowlist_rate, http_tool, latency, phases, throughput
+from bench.baselines import BENCH_LABEL, DEFAULT_EPICBOX_VENV, Epicbox, ensure_epicbox_venv
+from bench.machine import REPO, describe, load_average, node_path
+from bench.report import render, targets
+from bench.service import BenchService
+from metaagent.sandbox.image import image_tag
+from metaagent.settings import Settings
+
+SECTIONS = ("allowlist", "http", "latency", "phases", "throughput")
+DEFAULT_OUTPUT = REPO / "bench" / "results" / "latest.json"
+
+
+def _csv(kind: type[int] | type[str]) -> Any:
+    def parse(text: str) -> list[Any]:
+        return [kind(item.strip()) for item in text.split(",") if item.strip()]
+
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: few iterations, short periods")
+    parser.add_argument(
+        "--only", type=_csv(str), default=list(SECTIONS), help=f"comma-separated of {','.join(SECTIONS)}"
+    )
+    parser.add_argument("--rounds", type=int, help="latency rounds, one execution per contender each (default 30)")
+    parser.add_argument("--warmup", type=int, help="warm-up rounds before latency and phases (default 3)")
+    parser.add_argument("--duration", type=float, help="seconds per throughput measurement (default 8)")
+    parser.add_argument("--concurrency", type=_csv(int), default=[1, 4, 16], help="throughput levels (default 1,4,16)")
+    parser.add_argument("--http-iterations", type=int, help="HTTP tool requests, and as many direct (default 300)")
+    parser.add_argument("--allowlist-seconds", type=float, help="seconds per allow-list measurement (default 1)")
+    parser.add_argument("--phase-iterations", type=int, help="pooled executions timed phase by phase (default 10)")
+    parser.add_argument("--no-epicbox", action="store_true", help="leave epicbox out of the latency table")
+    parser.add_argument("--epicbox-venv", type=Path, default=DEFAULT_EPICBOX_VENV, help="epicbox's own venv")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where the JSON goes")
+    args = parser.parse_args(argv)
+    unknown = set(args.only) - set(SECTIONS)
+    if unknown:
+        parser.error(f"--only: unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    quick = args.quick
+    for name, full, smoke in [
+        ("rounds", 30, 5),
+        ("warmup", 3, 1),
+        ("duration", 8.0, 2.0),
+        ("http_iterations", 300, 30),
+        ("allowlist_seconds", 1.0, 0.2),
+        ("phase_iterations", 10, 3),
+    ]:
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if quick else full)
+    return args
+
+
+def progress(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def _remove_bench_containers(client: docker.DockerClient) -> None:
+    """Containers of this run's `docker run` loops that outlived it (a timeout): --rm covers the rest."""
+    for container in client.containers.list(all=True, filters={"label": f"{BENCH_LABEL}={os.getpid()}"}):
+        container.remove(force=True)
+
+
+def _throughput(pooled: BenchService, image: str, cpus: float, args: argparse.Namespace) -> dict[str, Any]:
+    levels = []
+    for concurrency in args.concurrency:
+        pooled.wait_pool_full()
+        before = set(pooled.container_paths())
+        service = throughput.service(pooled.base_url, concurrency, args.duration)
+        paths = [path for execution_id, path in pooled.container_paths().items() if execution_id not in before]
+        pooled.wait_pool_full()  # an idle service while the loop runs: its refills would slow the loop
+        loop = throughput.docker_run_loop(image, cpus, concurrency, args.duration)
+        levels.append(
+            {
+                "concurrency": concurrency,
+                "service": {**service.as_dict(), "warm": paths.count("warm"), "cold": paths.count("cold")},
+                "docker_run": loop.as_dict(),
+            }
+        )
+        progress(f"throughput at {concurrency}: service {service.per_second:.2f}/s, docker run {loop.per_second:.2f}/s")
+    return {"duration_s": args.duration, "levels": levels}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    only = set(args.only)
+    client = docker.from_env()
+    results: dict[str, Any] = {"machine": describe(client)}
+    cpus = float(Settings.model_fields["sandbox_cpus"].default)
+    image = image_tag()
+    results["config"] = {
+        "image": image,
+        "sandbox_cpus": cpus,
+        "sections": sorted(only),
+        "quick": args.quick,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "duration_s": args.duration,
+        "concurrency": args.concurrency,
+        "http_iterations": args.http_iterations,
+        "allowlist_seconds": args.allowlist_seconds,
+        "phase_iterations": args.phase_iterations,
+    }
+    with ExitStack() as stack:
+        stack.callback(client.close)
+        stack.callback(_remove_bench_containers, client)
+        if only & {"latency", "throughput", "phases"}:
+            progress(f"sandbox image {image}")
+            subprocess.run([sys.executable, "-m", "metaagent", "sandbox", "build"], check=True, capture_output=True)
+
+        if "allowlist" in only:
+            results["allowlist"] = allowlist_rate.measure(seconds=args.allowlist_seconds, progress=progress)
+
+        pooled = cold = None
+        if only & {"latency", "throughput", "http"}:
+            progress("starting the service (warm pool on)")
+            pooled = stack.enter_context(
+                BenchService("pooled", METAAGENT_EXECUTION_QUEUE_SIZE="64", ALLOW_HTTP_HOSTS='["127.0.0.1"]')
+            )
+            pooled.wait_pool_full()
+            results["config"]["pool_size"] = pooled.warm_pool()["size"]
+        if "latency" in only:
+            progress("starting the service (warm pool off)")
+            cold = stack.enter_context(BenchService("cold", METAAGENT_POOL_ENABLED="false"))
+
+        if "http" in only and pooled is not None:
+            results["http_tool"] = http_tool.measure(
+                pooled, iterations=args.http_iterations, warmup=max(5, args.http_iterations // 10), progress=progress
+            )
+
+        if "latency" in only:
+            epicbox = None
+            if not args.no_epicbox:
+                epicbox = stack.enter_context(Epicbox(ensure_epicbox_venv(args.epicbox_venv), image))
+                results["machine"]["epicbox_versions"] = epicbox.versions
+            results["latency"] = latency.measure(
+                pooled=pooled,
+                cold=cold,
+                node=node_path(),
+                image=image,
+                cpus=cpus,
+                epicbox=epicbox,
+                rounds=args.rounds,
+                warmup=args.warmup,
+                progress=progress,
+            )
+
+        if "phases" in only:
+            results["phases"] = phases.measure(
+                image=image, cpus=cpus, iterations=args.phase_iterations, warmup=args.warmup, progress=progress
+            )
+
+        if "throughput" in only and pooled is not None:
+            results["throughput"] = _throughput(pooled, image, cpus, args)
+
+    results["machine"]["load_average_end"] = load_average()
+    results["targets"] = [target.as_dict() for target in targets(results)]
+    return results
+
+
+def finite(value: Any) -> Any:
+    """`value` with every infinite or NaN float replaced by None: JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(item) for item in value]
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(finite(results), indent=2, allow_nan=False) + "\n")
+    print(render(results))
+    print(f"\nJSON: {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

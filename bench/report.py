@@ -1,0 +1,159 @@
+"""The issue's targets judged on one run's results, and the results as text tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bench.latency import COLD, DOCKER_RUN, EPICBOX, NODE, POOLED
+from bench.stats import Target, format_number, ratio
+
+
+def _p50(results: dict[str, Any], name: str) -> float | None:
+    summary = results.get("latency", {}).get("summaries", {}).get(name)
+    return None if summary is None else float(summary["p50"])
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if numerator is None or denominator is None else ratio(numerator, denominator)
+
+
+def _throughput_ratio(results: dict[str, Any], concurrency: int) -> float | None:
+    for level in results.get("throughput", {}).get("levels", []):
+        if level["concurrency"] == concurrency:
+            return ratio(level["service"]["per_second"], level["docker_run"]["per_second"])
+    return None
+
+
+def targets(results: dict[str, Any]) -> list[Target]:
+    pooled, cold = _p50(results, POOLED), _p50(results, COLD)
+    http = results.get("http_tool")
+    allowlist = results.get("allowlist")
+    return [
+        Target("pooled p50 / node -e p50", _ratio(pooled, _p50(results, NODE)), "<=", 1.0, "x"),
+        Target("cold p50 / epicbox p50", _ratio(cold, _p50(results, EPICBOX)), "<=", 0.9, "x"),
+        Target("cold p50 / docker run --rm p50", _ratio(cold, _p50(results, DOCKER_RUN)), "<=", 0.6, "x"),
+        Target("throughput at 4: service / docker run loop", _throughput_ratio(results, 4), ">=", 1.5, "x"),
+        Target("HTTP tool added latency at p50", http["added_p50_ms"] if http else None, "<=", 2.0, "ms"),
+        Target(
+            "allow-list decisions/s, 1,000 patterns (mix)",
+            allowlist["decisions_per_second"]["mix"] if allowlist else None,
+            ">=",
+            500_000,
+            "/s",
+        ),
+    ]
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)]
+
+    def line(cells: Sequence[str]) -> str:
+        first, *rest = cells
+        return "  ".join([first.ljust(widths[0]), *(cell.rjust(w) for cell, w in zip(rest, widths[1:], strict=True))])
+
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(row) for row in rows)])
+
+
+def render(results: dict[str, Any]) -> str:
+    parts: list[str] = []
+    machine = results["machine"]
+    parts.append(
+        f"metaagent benchmarks, {machine['date']}, commit {machine['commit']}: {machine['cpu_count']} CPUs "
+        f"({machine['cpu_model']}), kernel {machine['kernel']}, Docker {machine['docker_engine']}, "
+        f"host node {machine['node_host']}; load average {machine['load_average_start']} at the start, "
+        f"{machine.get('load_average_end')} at the end"
+    )
+    latency = results.get("latency")
+    if latency:
+        node = _p50(results, NODE)
+        rows = [
+            [
+                name,
+                format_number(s["p50"], "ms"),
+                format_number(s["p95"], "ms"),
+                format_number(s["mean"], "ms"),
+                format_number(_ratio(s["p50"], node), "x"),
+                str(s["n"]),
+            ]
+            for name, s in latency["summaries"].items()
+        ]
+        parts.append(
+            f"Latency of console.log(1), end to end ({latency['rounds']} rounds, shuffled order)\n"
+            + table(["contender", "p50", "p95", "mean", "p50 / node -e", "n"], rows)
+        )
+        notes = []
+        for key, label in (("pooled", "warm pool"), ("cold", "pool off")):
+            if f"{key}_paths" in latency:
+                code, outside = latency[f"{key}_code_duration_ms"], latency[f"{key}_outside_code_ms"]
+                notes.append(
+                    f"{label}: paths in the audit log {latency[f'{key}_paths']}; per request, the code's run "
+                    f"(hand-over to exit, the response's duration_ms) p50 {format_number(code['p50'], 'ms')}, "
+                    f"the rest p50 {format_number(outside['p50'], 'ms')}"
+                )
+        parts.append("\n".join(notes))
+    throughput = results.get("throughput")
+    if throughput:
+        rows = []
+        for level in throughput["levels"]:
+            svc, loop = level["service"], level["docker_run"]
+            rows.append(
+                [
+                    str(level["concurrency"]),
+                    format_number(svc["per_second"], "/s"),
+                    f"{svc['errors']}/{svc['rejected']}",
+                    f"{svc.get('warm', '-')}/{svc.get('cold', '-')}",
+                    format_number(loop["per_second"], "/s"),
+                    str(loop["errors"]),
+                    format_number(ratio(svc["per_second"], loop["per_second"]), "x"),
+                ]
+            )
+        parts.append(
+            f"Throughput, executions/s over {throughput['duration_s']:g} s per level (service: warm pool on)\n"
+            + table(["concurrency", "service", "errors/429", "warm/cold", "docker run loop", "errors", "ratio"], rows)
+        )
+    http = results.get("http_tool")
+    if http:
+        rows = [
+            [
+                "direct httpx2 request",
+                format_number(http["direct_ms"]["p50"], "ms"),
+                format_number(http["direct_ms"]["p95"], "ms"),
+            ],
+            [
+                "POST /tools/http",
+                format_number(http["tool_ms"]["p50"], "ms"),
+                format_number(http["tool_ms"]["p95"], "ms"),
+            ],
+            ["added by the tool", format_number(http["added_p50_ms"], "ms"), format_number(http["added_p95_ms"], "ms")],
+        ]
+        parts.append(
+            f"HTTP tool to a local server on 127.0.0.1 ({http['iterations']} requests each)\n"
+            + table(["", "p50", "p95"], rows)
+        )
+    allowlist = results.get("allowlist")
+    if allowlist:
+        rows = [[kind, format_number(value, "/s")] for kind, value in allowlist["decisions_per_second"].items()]
+        rows.append(
+            ["(canonical_ip on a name, alone)", format_number(allowlist["canonical_ip_on_names_per_second"], "/s")]
+        )
+        parts.append(
+            f"Allow-list decisions with {allowlist['patterns']:,} patterns (parsed in {allowlist['parse_ms']:.1f} ms)\n"
+            + table(["hosts", "decisions"], rows)
+        )
+    phases = results.get("phases")
+    if phases:
+        rows = [
+            [name, format_number(s["p50"], "ms"), format_number(s["p95"], "ms")]
+            for name, s in phases["phases_ms"].items()
+        ]
+        parts.append(
+            f"Where a pooled execution's time goes (in-process, {phases['iterations']} executions)\n"
+            + table(["phase", "p50", "p95"], rows)
+        )
+    rows = [
+        [t.name, format_number(t.measured, t.unit), f"{t.comparison} {format_number(t.bound, t.unit)}", t.verdict]
+        for t in targets(results)
+    ]
+    parts.append("Targets (issue 8)\n" + table(["target", "measured", "target", "verdict"], rows))
+    return "\n\n".join(parts)
