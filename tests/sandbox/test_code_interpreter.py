@@ -362,3 +362,33 @@ def test_shutdown_signal_kills_running_executions_and_exits_0(
         assert docker_client.containers.list(all=True, sparse=True, filters=owned) == []
         record = json.loads((tmp_path / "audit.jsonl").read_text().splitlines()[-1])
         assert record["outcome"]["killed"] is True  # the audit record was flushed before the exit
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("service_name", ["sandbox_service", "cold_service"])
+def test_user_code_runs_at_the_execution_cpu_share_however_fast_the_runner_started(
+    request: pytest.FixtureRequest, docker_client: docker_sdk.DockerClient, service_name: str
+) -> None:
+    service: Service = request.getfixturevalue(service_name)
+    holder: dict[str, httpx2.Response] = {}
+
+    def long_run() -> None:
+        body = {"code": "setInterval(() => {}, 1000)", "timeout_s": 60}
+        holder["response"] = service.post("/tools/code-interpreter", body)
+
+    thread = threading.Thread(target=long_run)
+    thread.start()
+    try:
+        for _ in range(300):
+            running = [e for e in service.get("/executions").json()["executions"] if e["state"] == "running"]
+            if running:
+                break
+            time.sleep(0.05)
+        assert running
+        host_config = docker_client.api.inspect_container(running[0]["container_id"])["HostConfig"]
+        assert host_config["CpuPeriod"] == 100_000
+        assert host_config["CpuQuota"] == 50_000  # 0.5 CPU, in force while the user's code runs
+        sandbox_service_delete(service, running[0]["execution_id"])
+    finally:
+        thread.join(timeout=30)
+    assert holder["response"].json()["killed"] is True

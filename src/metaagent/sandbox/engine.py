@@ -34,6 +34,7 @@ EXECUTION_LABEL = "org.metaagent.execution"
 OWNER_PID_LABEL = "org.metaagent.owner-pid"
 SANDBOX_UID = "1001:1001"
 _MAX_WAITING_THREADS = 1024
+_CPU_PERIOD_US = 100_000
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -64,6 +65,8 @@ class ContainerSpec:
     memory_mb: int
     cpus: float
     labels: dict[str, str]
+    # CPUs while the trusted runner loads, before any user code exists; `limit_cpus` then sets `cpus`.
+    start_cpus: float | None = None
     pids_limit: int = 32
     nofile: int = 256
     tmp_size_mb: int = 100
@@ -166,7 +169,8 @@ class Engine:
                 security_opt=["no-new-privileges"],
                 mem_limit=f"{spec.memory_mb}m",
                 memswap_limit=f"{spec.memory_mb}m",  # equal to the memory limit: no swap
-                nano_cpus=int(spec.cpus * 1e9),
+                cpu_period=_CPU_PERIOD_US,
+                cpu_quota=int((spec.start_cpus or spec.cpus) * _CPU_PERIOD_US),
                 pids_limit=spec.pids_limit,
                 ulimits=[Ulimit(name="nofile", soft=spec.nofile, hard=spec.nofile)],
                 ipc_mode="none",  # no /dev/shm: --read-only does not cover it
@@ -244,6 +248,11 @@ class Engine:
         state = info["State"]
         running = state.get("Running", False)
         return ContainerState(None if running else int(state.get("ExitCode", -1)), bool(state.get("OOMKilled")))
+
+    async def limit_cpus(self, container_id: str, cpus: float) -> None:
+        await self._run(
+            self.api.update_container, container_id, cpu_period=_CPU_PERIOD_US, cpu_quota=int(cpus * _CPU_PERIOD_US)
+        )
 
     async def kill(self, container_id: str, signal: str) -> None:
         def kill() -> None:

@@ -86,6 +86,14 @@ class Prepared:
     sock: socket.socket
     output: Demultiplexer
     started: bool
+    cpus: float  # the execution's CPU limit
+    cpus_limited: bool  # whether the container is held to `cpus` yet (see ContainerSpec.start_cpus)
+
+    async def limit_cpus(self, engine: Engine) -> None:
+        """Holds the container to its CPU limit; done before any user code is handed over."""
+        if not self.cpus_limited:
+            await engine.limit_cpus(self.container_id, self.cpus)
+            self.cpus_limited = True
 
     async def read_some(self) -> bool:
         """Reads what the stream has (waiting for it); False at the end of the stream."""
@@ -112,7 +120,8 @@ async def prepare(engine: Engine, spec: ContainerSpec, *, start: bool, ready_mar
         with anyio.CancelScope(shield=True):
             await engine.remove(container_id)
         raise
-    return Prepared(container_id, sock, Demultiplexer(STDOUT_CAP, STDERR_CAP, ready_marker), started=start)
+    output = Demultiplexer(STDOUT_CAP, STDERR_CAP, ready_marker)
+    return Prepared(container_id, sock, output, start, spec.cpus, cpus_limited=spec.start_cpus is None)
 
 
 async def wait_ready(prepared: Prepared) -> bool:
@@ -181,6 +190,7 @@ async def _run(
                 with anyio.move_on_after(START_TIMEOUT_S):
                     await _first(settled, exited, drained, execution.kill_requested)
             if output.ready:  # otherwise the runner failed to start: its exit and stderr say why
+                await prepared.limit_cpus(engine)
                 try:
                     await sock_sendall(sock, data)
                     sock.shutdown(socket.SHUT_WR)  # EOF on the container's stdin

@@ -144,6 +144,8 @@ class WarmPool:
             prepared = await prepare(self.engine, spec, start=True)
             try:
                 ready = await wait_ready(prepared)
+                if ready:
+                    await prepared.limit_cpus(self.engine)  # idle at its limit, as every execution runs
             except BaseException:  # cancelled (a shutdown) while the runner started: nobody else knows it
                 await self._remove(Warm(execution_id, spec, prepared))
                 raise

@@ -123,6 +123,9 @@ def container_spec(
     heap_mb = max(32, memory_mb * 3 // 4)
     node = ["/usr/bin/node", f"--max-old-space-size={heap_mb}", RUNNER]
     return ContainerSpec(
+        # The trusted runner loads (node and the gate) with the machine's CPUs, not the execution's
+        # share; the share applies before the code is handed over. A command of the tests' runs at once.
+        start_cpus=None if command else float(os.cpu_count() or 1),
         name=f"metaagent-{execution_id}",
         image=image,
         command=["/usr/bin/dumb-init", "--", *(command or node)],
