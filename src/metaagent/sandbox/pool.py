@@ -68,6 +68,7 @@ class WarmPool:
         self._make_spec = make_spec
         self._ready: deque[Warm] = deque()
         self._starting = 0
+        self._lent = 0  # taken by executions still running: replaced once they end (see `finished`)
         self._changed = anyio.Event()
         self._failures = 0
         self._retry_at = 0.0
@@ -86,12 +87,19 @@ class WarmPool:
         """A warm container for one execution, or None (the caller takes the cold path)."""
         while self._ready and not self.closed:
             warm = self._ready.popleft()
-            self._wake()
             if warm.spec.image == image_tag and _still_waiting(warm):
                 self.served += 1
+                self._lent += 1
                 return warm
             self._discard(warm)  # an image rebuilt since, or a runner that died while it waited
+            self._wake()
         return None
+
+    def finished(self) -> None:
+        """The execution on a taken container ended: start its replacement now, not while it ran, when
+        the start's CPU would have slowed the very execution the pool exists to speed up."""
+        self._lent -= 1
+        self._wake()
 
     async def run(self) -> None:
         """Refills the pool until `close`; removes the containers it still holds on the way out."""
@@ -105,7 +113,7 @@ class WarmPool:
                         for container_id in retry:
                             group.start_soon(self._remove_container, container_id)
                     wait_s = self._retry_at - time.monotonic()
-                    if wait_s <= 0 and self.ready + self._starting < self.size and self._starting < _PARALLEL_STARTS:
+                    if wait_s <= 0 and self._missing() > 0 and self._starting < _PARALLEL_STARTS:
                         self._starting += 1
                         group.start_soon(self._add_one)
                         continue
@@ -163,6 +171,9 @@ class WarmPool:
             log.info("the warm pool is starting containers again")
         self._failures = 0
         return Warm(execution_id, spec, prepared)
+
+    def _missing(self) -> int:
+        return self.size - self.ready - self._starting - self._lent
 
     def _discard(self, warm: Warm) -> None:
         if self._group is not None:

@@ -219,6 +219,8 @@ class CodeInterpreter:
                 raise
             finally:
                 self.registry.discard(execution)
+                if warm is not None:
+                    self.pool.finished()
                 self._audit(request, execution, spec, warm is not None, outcome, error, packages, network)
         return CodeInterpreterResponse(
             execution_id=execution.execution_id,
