@@ -12,9 +12,9 @@ so no path of the service or its callers shows in /proc/self/mountinfo.
 Volumes carry the service label and the owning process's pid, like execution containers: they live
 as long as the service process, at most `max_sets` of them (the least recently used idle set goes
 first; a set is in use from the moment a request gets it until its execution ends, and eviction
-checks that under the set's lock), are removed at shutdown, and a service that died without cleaning up has its volumes
-removed by the next start. npm's own download cache (under the service's cache folder) survives
-restarts, so a set installs again quickly.
+checks that under the set's lock), are removed at shutdown, and a service that died without
+cleaning up has its volumes removed by the next start. npm's own download cache (under the
+service's cache folder) survives restarts, so a set installs again quickly.
 """
 
 from __future__ import annotations
