@@ -5,7 +5,7 @@ Every record has the same envelope: `{"seq", "time", "event", "prev_hash", "hash
 `prev_hash` is the previous record's `hash` (64 zeros for the first). Changing, removing or reordering
 any record breaks every link after it; `verify` names the first broken record.
 
-Event names are stable: `execution.finished`, `egress.blocked`.
+Event names are stable: `execution.finished`, `egress.blocked`, `package.refused`, `package.install_failed`.
 Records never hold secrets or raw code: code is recorded as its sha256 and size.
 """
 

@@ -6,20 +6,25 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import docker
 import pytest
 
 from metaagent.audit import AuditLog
+from metaagent.egress.allowlist import AllowList
+from metaagent.egress.guard import EgressGuard
+from metaagent.executions import new_execution_id
 from metaagent.packages.install import NpmInstaller
 from metaagent.packages.policy import PackagePolicy
-from metaagent.packages.store import PackageStore
-from metaagent.sandbox.engine import Engine
+from metaagent.packages.store import PACKAGES_LABEL, PackageStore, PreparedPackages
+from metaagent.sandbox.engine import Engine, EngineUnavailable
 from metaagent.sandbox.image import image_tag
+from metaagent.sandbox.network import NetworkLimits, SandboxNetwork
 from tests.fake_registry import FakePackage, FakeRegistry, running_registry
 from tests.sandbox.conftest import Service, running_service
 
@@ -218,3 +223,284 @@ def test_the_store_removes_its_volumes_when_it_closes(
     volume = anyio.run(go)
     with pytest.raises(docker.errors.NotFound):
         docker_client.volumes.get(volume)
+
+
+# Volumes and the cache under concurrency and hang-ups: the real engine, with a hook where a test must
+# act at a precise moment (while a volume is being removed, filled or created).
+
+T = TypeVar("T")
+EVICTION_PACKAGES = [FakePackage(f"evict-{n}") for n in "abcd"]
+
+
+class ObservedEngine(Engine):
+    """The real engine. The removal of `gated` waits until `gate` is set; the removal of `failing` fails once.
+    With `hold_fill`, the fill reaches the engine only once `finish_fill` is set or a removal has ended: a
+    busy engine that still fills a volume after its caller gave up waiting."""
+
+    def __init__(self, hold_fill: bool = False) -> None:
+        super().__init__()
+        self.gated: str | None = None
+        self.gate = anyio.Event()
+        self.removal_started = anyio.Event()
+        self.failing: str | None = None
+        self.removals = 0
+        self.filling = anyio.Event()
+        self.filled: list[str] = []
+        self.hold_fill = hold_fill
+        self.finish_fill = threading.Event()
+        self.fill_started = threading.Event()
+        self.fill_done = threading.Event()
+        self._fill_call_next = False
+
+    async def remove_volume(self, name: str) -> bool:
+        self.removals += 1
+        if name == self.gated:
+            self.removal_started.set()
+            await self.gate.wait()
+        if name == self.failing:
+            self.failing = None
+            raise EngineUnavailable("The container engine is unavailable (the test's injected failure)")
+        try:
+            return await super().remove_volume(name)
+        finally:
+            self.finish_fill.set()
+
+    async def fill_volume(self, volume: str, image: str, archive: Path, labels: dict[str, str]) -> None:
+        self.filled.append(volume)
+        self.filling.set()
+        self._fill_call_next = self.hold_fill
+        await super().fill_volume(volume, image, archive, labels)
+
+    async def _run(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if not self._fill_call_next:
+            return await super()._run(func, *args, **kwargs)
+        self._fill_call_next = False
+
+        def held(*args: Any, **kwargs: Any) -> T:
+            self.fill_started.set()
+            try:
+                self.finish_fill.wait(timeout=60)
+                return func(*args, **kwargs)
+            finally:
+                self.fill_done.set()
+
+        return await super()._run(held, *args, **kwargs)
+
+
+@pytest.fixture
+def eviction_registry() -> Iterator[FakeRegistry]:
+    with running_registry(*EVICTION_PACKAGES) as registry:
+        yield registry
+
+
+def eviction_store(registry: FakeRegistry, engine: Engine, tmp_path: Path, max_sets: int) -> PackageStore:
+    installer = NpmInstaller(registry.url, tmp_path / "cache", timeout_s=60, max_bytes=2**20)
+    policy = PackagePolicy.parse(",".join(p.name for p in EVICTION_PACKAGES))
+    return PackageStore(policy, installer, engine, AuditLog(tmp_path / "audit.jsonl"), max_sets=max_sets)
+
+
+@asynccontextmanager
+async def holding(store: PackageStore, name: str) -> AsyncIterator[PreparedPackages]:
+    async with store.provide([name], store.check([name]), image_tag()) as prepared:
+        yield prepared
+
+
+async def hold_until(store: PackageStore, name: str, got: anyio.Event, release: anyio.Event) -> None:
+    async with holding(store, name):
+        got.set()
+        await release.wait()
+
+
+async def eventually(condition: Callable[[], object]) -> None:
+    """Waits (at most a minute) until `condition()` is true: what it watches sets no event."""
+    with anyio.fail_after(60):
+        while not condition():  # noqa: ASYNC110  # the store and the registry expose state, not events
+            await anyio.sleep(0.02)
+
+
+def volume_exists(docker_client: docker.DockerClient, name: str) -> bool:
+    try:
+        docker_client.volumes.get(name)
+    except docker.errors.NotFound:
+        return False
+    return True
+
+
+def test_eviction_spares_a_set_that_a_request_got_while_another_was_being_removed(
+    eviction_registry: FakeRegistry, sandbox_service: Service, docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
+    async def go() -> None:
+        engine = ObservedEngine()
+        store = eviction_store(eviction_registry, engine, tmp_path, max_sets=3)
+        try:
+            async with holding(store, "evict-a") as a:
+                engine.gated = a.volume
+            async with holding(store, "evict-b"):
+                pass
+            store.max_sets = 1  # the next install evicts a, then b
+            got_c, release_c = anyio.Event(), anyio.Event()
+            async with anyio.create_task_group() as group:
+                group.start_soon(hold_until, store, "evict-c", got_c, release_c)
+                with anyio.fail_after(60):
+                    await engine.removal_started.wait()
+                async with holding(store, "evict-b") as b:  # a cache hit while a's volume is being removed
+                    assert b.cache_hit
+                    engine.gate.set()
+                    with anyio.fail_after(60):
+                        await got_c.wait()  # c's eviction is over
+                    volume = docker_client.volumes.get(b.volume)
+                    assert volume.attrs["Labels"][PACKAGES_LABEL] == "evict-b@latest"
+                release_c.set()
+        finally:
+            await store.close()
+            engine.close()
+
+    anyio.run(go)
+
+
+def test_two_evictions_at_once_fail_neither_request(
+    eviction_registry: FakeRegistry, sandbox_service: Service, docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
+    async def go() -> list[str]:
+        engine = ObservedEngine()
+        store = eviction_store(eviction_registry, engine, tmp_path, max_sets=3)
+        try:
+            async with holding(store, "evict-a") as a:
+                engine.gated = a.volume
+            async with holding(store, "evict-b"):
+                pass
+            store.max_sets = 1
+            got_c, got_d, release = anyio.Event(), anyio.Event(), anyio.Event()
+            async with anyio.create_task_group() as group:
+                group.start_soon(hold_until, store, "evict-c", got_c, release)
+                with anyio.fail_after(60):
+                    await engine.removal_started.wait()
+                group.start_soon(hold_until, store, "evict-d", got_d, release)
+                await eventually(lambda: store.key(store.check(["evict-d"])) in store._sets)  # d is installed
+                engine.gate.set()
+                with anyio.fail_after(60):
+                    await got_c.wait()
+                    await got_d.wait()
+                release.set()
+            volumes = [cached.volume for cached in store._sets.values()]
+        finally:
+            await store.close()
+            engine.close()
+        return volumes
+
+    volumes = anyio.run(go)
+    assert len(volumes) == 2  # c and d, both in use when the evictions ran
+    assert not any(volume_exists(docker_client, volume) for volume in volumes)
+
+
+def test_a_set_whose_removal_failed_stays_cached_and_goes_at_close(
+    eviction_registry: FakeRegistry, sandbox_service: Service, docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
+    async def go() -> str:
+        engine = ObservedEngine()
+        store = eviction_store(eviction_registry, engine, tmp_path, max_sets=1)
+        try:
+            async with holding(store, "evict-a") as a:
+                engine.failing = a.volume
+            async with holding(store, "evict-b") as b:  # its install worked: the failed eviction is not its error
+                assert not b.cache_hit
+            assert volume_exists(docker_client, a.volume)
+            async with holding(store, "evict-a") as again:
+                assert again.cache_hit
+        finally:
+            await store.close()
+            engine.close()
+        return a.volume
+
+    assert not volume_exists(docker_client, anyio.run(go))
+
+
+def test_a_caller_hanging_up_while_its_volume_is_filled_leaves_no_volume(
+    eviction_registry: FakeRegistry, sandbox_service: Service, docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
+    async def go() -> ObservedEngine:
+        engine = ObservedEngine(hold_fill=True)
+        store = eviction_store(eviction_registry, engine, tmp_path, max_sets=4)
+        hang_up = anyio.CancelScope()
+
+        async def hang_up_while_filling() -> None:
+            await anyio.to_thread.run_sync(engine.fill_started.wait, 60)  # the engine has the call
+            hang_up.cancel()
+            await anyio.wait_all_tasks_blocked()
+            if not engine.removals:  # the fill is not abandoned: let the engine finish it
+                engine.finish_fill.set()
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(hang_up_while_filling)
+                with hang_up, anyio.fail_after(60):
+                    async with holding(store, "evict-a"):
+                        await anyio.sleep_forever()
+        finally:
+            await store.close()
+            engine.close()
+        return engine
+
+    engine = anyio.run(go)
+    assert engine.fill_done.wait(timeout=60)  # the fill, abandoned or not, has reached the engine
+    [volume] = engine.filled
+    assert not volume_exists(docker_client, volume)
+    assert docker_client.containers.list(all=True, filters={"name": f"{volume}-fill"}) == []
+
+
+class SlowCreationEngine(Engine):
+    """The real engine, whose volume creation completes only when `finish_creation` is set: a busy engine
+    that still creates a volume after its caller gave up waiting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.creation_started = threading.Event()
+        self.finish_creation = threading.Event()
+        self.removal_started = False
+        self.created: list[str] = []
+
+    async def create_volume(self, name: str, labels: dict[str, str]) -> str:
+        def create() -> str:
+            self.creation_started.set()
+            self.finish_creation.wait(timeout=60)
+            self.created.append(name)
+            return str(self.api.create_volume(name=name, driver="local", labels=labels)["Mountpoint"])
+
+        return await anyio.to_thread.run_sync(create, abandon_on_cancel=True)
+
+    async def remove_volume(self, name: str) -> bool:
+        self.removal_started = True
+        try:
+            return await super().remove_volume(name)
+        finally:
+            self.finish_creation.set()
+
+
+def test_a_caller_hanging_up_while_its_tunnel_volume_is_created_leaves_no_volume(
+    sandbox_service: Service, docker_client: docker.DockerClient
+) -> None:
+    async def go() -> list[str]:
+        engine = SlowCreationEngine()
+        network = SandboxNetwork(engine, EgressGuard(AllowList(["127.0.0.1"])), NetworkLimits(4, 2**20))
+        hang_up = anyio.CancelScope()
+
+        async def hang_up_while_creating() -> None:
+            await anyio.to_thread.run_sync(engine.creation_started.wait, 60)  # the engine has the call
+            hang_up.cancel()
+            await anyio.wait_all_tasks_blocked()
+            if not engine.removal_started:  # the creation is not abandoned: let the engine finish it
+                engine.finish_creation.set()
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(hang_up_while_creating)
+                with hang_up, anyio.fail_after(60):
+                    async with network.for_execution(new_execution_id(), AllowList(["127.0.0.1"])):
+                        await anyio.sleep_forever()
+            await eventually(lambda: engine.created)  # the creation, abandoned or not, has reached the engine
+        finally:
+            engine.close()
+        return engine.created
+
+    [volume] = anyio.run(go)
+    assert not volume_exists(docker_client, volume)

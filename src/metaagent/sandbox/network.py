@@ -138,7 +138,9 @@ class ExecutionNetwork:
         await self._stack.__aenter__()
         try:
             self._stack.push_async_callback(self._remove_volume)
-            folder = Path(await engine.create_volume(self.volume, labels))
+            # Shielded: a creation abandoned at a hang-up could finish after the removal above ran.
+            with anyio.CancelScope(shield=True):
+                folder = Path(await engine.create_volume(self.volume, labels))
             if not await anyio.Path(folder).is_dir():
                 raise Unavailable(
                     f"Network for sandboxed code needs the container engine on this machine: its volume folder "

@@ -174,6 +174,8 @@ class CodeInterpreter:
         """Refuses new executions and stops refilling the pool (at a shutdown signal)."""
         self.closing = True
         self.pool.close()
+        if self.packages is not None:
+            self.packages.stop_installing()
 
     async def __call__(self, request: CodeInterpreterRequest, caller: str | None = None) -> CodeInterpreterResponse:
         if self.closing:
@@ -186,7 +188,7 @@ class CodeInterpreter:
         network: ExecutionNetwork | None = None
         # Packages are installed before the slot is taken: an install is not an execution's time.
         async with (
-            self._provide_packages(request.packages, dependencies, image_ref) as packages,
+            self._provide_packages(request.packages, dependencies, image_ref, caller) as packages,
             self.admission.slot() as queued_s,
         ):
             if self.closing:  # the service began to stop while this execution was queued
@@ -256,12 +258,12 @@ class CodeInterpreter:
 
     @asynccontextmanager
     async def _provide_packages(
-        self, requested: list[str], dependencies: dict[str, str], image: str
+        self, requested: list[str], dependencies: dict[str, str], image: str, caller: str | None
     ) -> AsyncIterator[PreparedPackages | None]:
         if not dependencies or self.packages is None:
             yield None
             return
-        async with self.packages.provide(requested, dependencies, image) as prepared:
+        async with self.packages.provide(requested, dependencies, image, caller) as prepared:
             yield prepared
 
     def _network_allowlist(self, request: CodeInterpreterRequest) -> AllowList | None:
