@@ -9,6 +9,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -17,6 +18,8 @@ import pytest
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard
+from metaagent.errors import Unavailable
+from metaagent.sandbox.network import NetworkLimits, SandboxNetwork
 from metaagent.sandbox.tunnel import MAX_REFUSALS, TunnelPolicy, TunnelRefused, TunnelStats, parse_target, serving
 
 pytestmark = pytest.mark.security
@@ -267,3 +270,30 @@ async def test_a_flood_of_refused_hosts_is_capped_in_the_log_and_the_audit_trail
     security_lines = [r for r in caplog.records if "[SECURITY]" in r.getMessage()]
     assert len(blocked) == MAX_REFUSALS  # the rest were refused unheard
     assert len(security_lines) == MAX_REFUSALS
+
+
+class EngineWithALongDataRoot:
+    """Pure logic: an engine whose volume folders lie too deep for a Unix socket path."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.removed: list[str] = []
+
+    async def create_volume(self, name: str, labels: dict[str, str]) -> str:
+        folder = self.root / ("d" * 60) / ("e" * 60) / name
+        folder.mkdir(parents=True)
+        return str(folder)
+
+    async def remove_volume(self, name: str) -> bool:
+        self.removed.append(name)
+        return True
+
+
+async def test_a_data_root_too_long_for_a_socket_path_is_a_503_that_says_so(tmp_path: Path) -> None:
+    engine: Any = EngineWithALongDataRoot(tmp_path)
+    network = SandboxNetwork(engine, guard_for(tmp_path, "127.0.0.1"), NetworkLimits(max_tunnels=2, max_bytes=1024))
+    execution_network = network.for_execution(EXECUTION, AllowList.of("127.0.0.1"))
+    with pytest.raises(Unavailable, match="shorter data root"):
+        async with execution_network:
+            pass
+    assert engine.removed == [execution_network.volume]  # and the volume went again

@@ -40,6 +40,7 @@ log = logging.getLogger("metaagent.network")
 
 SOCKET_DIR = "/run/metaagent"  # in the container
 SOCKET_NAME = "egress.sock"
+MAX_UNIX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the last one the terminating NUL
 EXTRA_CA_SETTING = "METAAGENT_SANDBOX_EXTRA_CA_CERTS"
 MAX_EXTRA_CA_BYTES = 1024 * 1024
 _CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n[A-Za-z0-9+/=\r\n]+-----END CERTIFICATE-----")
@@ -146,6 +147,13 @@ class ExecutionNetwork:
                     f"Network for sandboxed code needs the container engine on this machine: its volume folder "
                     f"{folder} is not reachable from the service"
                 )
+            socket_path = folder / SOCKET_NAME
+            if len(os.fsencode(socket_path)) > MAX_UNIX_SOCKET_PATH:
+                raise Unavailable(
+                    "Network for sandboxed code needs a Unix socket in the engine's volume folder, and that "
+                    f"path is longer than the {MAX_UNIX_SOCKET_PATH} bytes Linux allows; give the container "
+                    "engine a shorter data root (dockerd --data-root)"
+                )
             policy = TunnelPolicy(
                 execution_id=self.execution_id,
                 allowlist=self.allowlist,
@@ -154,7 +162,7 @@ class ExecutionNetwork:
                 max_bytes=self.network.limits.max_bytes,
                 connect_timeout_s=self.network.limits.connect_timeout_s,
             )
-            self.stats = await self._stack.enter_async_context(serving(folder / SOCKET_NAME, policy))
+            self.stats = await self._stack.enter_async_context(serving(socket_path, policy))
         except BaseException:
             await self._stack.aclose()
             raise
