@@ -170,6 +170,24 @@ def sandbox_build() -> None:
     print(image_id)
 
 
+@sandbox_app.command("prune")
+def sandbox_prune() -> None:
+    """Remove sandbox image tags of other versions (left by runner changes); keep this version's."""
+    import docker
+
+    from metaagent.sandbox.image import prune_images
+
+    try:
+        removed, in_use = prune_images(docker.from_env())
+    except docker.errors.DockerException as exc:
+        raise _fail(f"error: the container engine is unavailable ({exc}); run scripts/ensure-docker", 1) from None
+    for tag in removed:
+        print(f"removed {tag}")
+    for tag in in_use:
+        print(f"kept {tag} (a container uses it)")
+    print(f"{len(removed)} removed, {len(in_use)} kept in use")
+
+
 @app.command("mcp")
 def mcp_stdio() -> None:
     """Serve the tools over MCP on stdin/stdout (for MCP clients that start the server; logs go to stderr)."""

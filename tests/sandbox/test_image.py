@@ -18,7 +18,8 @@ import pytest
 
 from metaagent.sandbox import image as sandbox_image
 from metaagent.sandbox.execute import RUNNER_READY
-from metaagent.sandbox.image import IMAGE_LABEL, RUNNER_PATH, build_image, image_present, image_tag
+from metaagent.sandbox.image import IMAGE_LABEL, IMAGE_REPOSITORY, RUNNER_PATH, build_image, image_present, image_tag
+from tests.test_cli import run as run_cli
 
 pytestmark = pytest.mark.docker
 
@@ -297,3 +298,16 @@ def test_user_code_is_the_main_module(client: docker.DockerClient, sandbox: str)
     run = run_js(client, sandbox, code)
     assert run.stderr == ""
     assert json.loads(run.stdout) == [True, True, "/app/main.js", "/app/main.js", "/app", ".", "/app/main.js"]
+
+
+def test_prune_removes_other_versions_tags_and_keeps_this_one(
+    client: docker.DockerClient, sandbox: str, tmp_path: Path
+) -> None:
+    stale = f"{IMAGE_REPOSITORY}:0.0.0-pruned-by-a-test"
+    client.images.get(sandbox).tag(stale)  # what a runner change leaves behind: another version's tag
+    result = run_cli(tmp_path, "sandbox", "prune")
+    assert result.returncode == 0, result.stderr
+    assert f"removed {stale}" in result.stdout
+    with pytest.raises(docker.errors.ImageNotFound):
+        client.images.get(stale)
+    assert sandbox in client.images.get(sandbox).tags

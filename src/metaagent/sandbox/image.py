@@ -44,6 +44,7 @@ __all__ = [
     "build_image",
     "image_present",
     "image_tag",
+    "prune_images",
 ]
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,30 @@ def image_present(client: docker.DockerClient) -> bool:
     except docker.errors.ImageNotFound:
         return False
     return True
+
+
+def prune_images(client: docker.DockerClient) -> tuple[list[str], list[str]]:
+    """Removes the sandbox image tags other than this version's; returns (removed, kept in use).
+
+    Every change of the runner makes a new tag, and the old ones stay behind. A tag that a container
+    still uses (another service's version, say) is kept; the engine refuses to remove it anyway.
+    """
+    current = image_tag()
+    removed: list[str] = []
+    in_use: list[str] = []
+    for image in client.images.list(filters={"label": IMAGE_LABEL}):
+        for tag in image.tags:
+            if tag == current or not tag.startswith(f"{IMAGE_REPOSITORY}:"):
+                continue
+            try:
+                client.images.remove(tag)
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # 409: a container uses it
+                    raise
+                in_use.append(tag)
+            else:
+                removed.append(tag)
+    return removed, in_use
 
 
 # --- build --------------------------------------------------------------------------------------------
