@@ -137,3 +137,22 @@ def test_audit_verify_names_the_first_altered_record(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "line 2 (seq 2): content does not match its hash" in result.stderr
     assert json.loads(lines[0])["seq"] == 1
+
+
+def test_run_refuses_a_file_that_is_not_utf8_with_exit_2_and_a_fix(tmp_path: Path) -> None:
+    program = tmp_path / "latin1.js"
+    program.write_bytes("console.log('café')".encode("latin-1"))
+    result = run(tmp_path, "run", str(program))
+    assert result.returncode == 2
+    assert "is not UTF-8 text" in result.stderr
+    assert "save it as UTF-8" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_run_refuses_a_program_past_the_code_limit_with_exit_2(tmp_path: Path) -> None:
+    program = tmp_path / "huge.js"
+    program.write_text("//" + "x" * (1024 * 1024 + 1))
+    result = run(tmp_path, "run", str(program))
+    assert result.returncode == 2
+    assert "cannot run: Invalid request: code:" in result.stderr
+    assert "Traceback" not in result.stderr

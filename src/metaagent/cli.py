@@ -107,9 +107,10 @@ def run(
 ) -> None:
     """Run a file in a fresh sandbox container, exactly as the code interpreter does; exit with its status."""
     import anyio
+    from pydantic import ValidationError
 
     from metaagent.audit import AuditLog
-    from metaagent.errors import MetaAgentError
+    from metaagent.errors import MetaAgentError, describe_validation_errors
     from metaagent.executions import ExecutionRegistry
     from metaagent.sandbox.engine import Engine
     from metaagent.sandbox.provision import SandboxImage
@@ -117,7 +118,14 @@ def run(
 
     settings = Settings()
     stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
-    request = CodeInterpreterRequest(code=file.read_text(), timeout_s=timeout, memory_mb=memory, stdin=stdin)
+    try:
+        code = file.read_text(encoding="utf-8")
+        request = CodeInterpreterRequest(code=code, timeout_s=timeout, memory_mb=memory, stdin=stdin)
+    except UnicodeDecodeError as exc:
+        raise _fail(f"metaagent: {file} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
+    except ValidationError as exc:
+        message, _details = describe_validation_errors(exc.errors())
+        raise _fail(f"metaagent: {file} cannot run: {message}") from None
 
     async def execute() -> int:
         engine = Engine()
@@ -146,10 +154,10 @@ def run(
         return result.exit_code if result.exit_code is not None else 1
 
     try:
-        code = anyio.run(execute)
+        status = anyio.run(execute)
     except MetaAgentError as exc:
         raise _fail(f"metaagent: {exc.message}", 1) from None
-    raise typer.Exit(code)
+    raise typer.Exit(status)
 
 
 @sandbox_app.command("build")
