@@ -1,5 +1,6 @@
-"""One execution in one fresh container: create, attach, start, hand over the code, watch the clock,
-read the capped output, classify how it ended, and remove the container on every path.
+"""One execution in one fresh container: create, attach, start (or take those three from the warm pool),
+wait for the runner's ready line, hold the container to its CPU share, hand over the code, watch the
+clock, read the capped output, classify how it ended, and remove the container on every path.
 
 The runner outside the process is what enforces time and output: SIGTERM at the deadline (dumb-init
 forwards it to node), SIGKILL `grace_s` later, and bytes counted on the stream itself, where no
