@@ -133,9 +133,11 @@ class NpmInstaller:
         env = {name: os.environ[name] for name in _PASSED_THROUGH if name in os.environ}
         env.update(PATH=path, HOME=str(home), LANG="C.UTF-8", NO_COLOR="1")
         log.info("npm install %s from %s", names, self.registry)
-        process = await anyio.open_process(
-            command, stdin=subprocess.DEVNULL, cwd=workdir, env=env, start_new_session=True
-        )
+        # Shielded: a cancel during the spawn would lose a running npm; it lands below, which kills it.
+        with anyio.CancelScope(shield=True):
+            process = await anyio.open_process(
+                command, stdin=subprocess.DEVNULL, cwd=workdir, env=env, start_new_session=True
+            )
         stdout, stderr = bytearray(), bytearray()
         try:
             with anyio.move_on_after(self.timeout_s) as deadline:
@@ -144,11 +146,11 @@ class NpmInstaller:
                     group.start_soon(_drain, process.stderr, stderr)
                     await process.wait()
         finally:
-            if process.returncode is None:  # the deadline, or the request was cancelled
-                with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):  # reaped and its pipes closed, even when cancelled
+                if process.returncode is None:  # the deadline, or the request was cancelled
                     _kill_group(process)
                     await process.wait()
-            await process.aclose()
+                await process.aclose()
         if deadline.cancelled_caught:
             raise UpstreamTimeout(
                 f"npm did not finish installing {names} within {self.timeout_s:g} s "
