@@ -44,6 +44,12 @@ class ConfigError(MetaAgentError):
         super().__init__(message)
         self.problems = problems or []
 
+    @classmethod
+    def malformed_entries(cls, setting: str, problems: list[str]) -> ConfigError:
+        """A list setting with bad entries: one problem, with its fix, per entry."""
+        noun = "entry" if len(problems) == 1 else "entries"
+        return cls(f"{setting} has {len(problems)} malformed {noun}", problems)
+
     def __str__(self) -> str:
         return "\n".join([self.message, *(f"  - {p}" for p in self.problems)])
 

@@ -187,8 +187,7 @@ class AllowList:
             except PatternError as exc:
                 problems.append(f"{exc.entry!r}: {exc.reason}; {exc.fix}")
         if problems:
-            noun = "entry" if len(problems) == 1 else "entries"
-            raise ConfigError(f"{setting} has {len(problems)} malformed {noun}", problems)
+            raise ConfigError.malformed_entries(setting, problems)
         return cls(entries)
 
     def __bool__(self) -> bool:

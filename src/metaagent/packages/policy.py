@@ -300,8 +300,7 @@ class PackagePolicy:
             seen[entry.name] = entry.version
             entries.append(entry)
         if problems:
-            noun = "entry" if len(problems) == 1 else "entries"
-            raise ConfigError(f"{SETTING} has {len(problems)} malformed {noun}", problems)
+            raise ConfigError.malformed_entries(SETTING, problems)
         return cls(entries)
 
     def __len__(self) -> int:
