@@ -129,10 +129,14 @@ class Result:
 RunJs = Callable[..., Result]
 
 
+def audit_records(service: Service) -> list[dict[str, Any]]:
+    """Every record of the service's audit log, oldest first."""
+    return [json.loads(line) for line in service.audit_log.read_text().splitlines()]
+
+
 def audit_record(service: Service, execution_id: str) -> dict[str, Any]:
-    """The audit record of one execution (written before its response is sent)."""
-    for line in reversed(service.audit_log.read_text().splitlines()):
-        record: dict[str, Any] = json.loads(line)
+    """The audit record of one execution (written last of its records, before its response is sent)."""
+    for record in reversed(audit_records(service)):
         if record.get("execution_id") == execution_id:
             return record
     raise AssertionError(f"no audit record for {execution_id}")
@@ -184,11 +188,15 @@ def run_js_both(request: pytest.FixtureRequest) -> RunJs:
 @pytest.fixture
 def containers_of(docker_client: docker.DockerClient) -> Callable[[str], list[str]]:
     """The ids of the containers, running or not, that belong to one execution."""
+    return lambda execution_id: labelled_containers(docker_client, f"org.metaagent.execution={execution_id}")
 
-    def listing(execution_id: str) -> list[str]:
-        found = docker_client.containers.list(
-            all=True, sparse=True, filters={"label": f"org.metaagent.execution={execution_id}"}
-        )
-        return [c.id for c in found]
 
-    return listing
+def labelled_containers(client: docker.DockerClient, label: str) -> list[str]:
+    """The ids of the containers, running or not, with `label` (`key=value`). Sparse: a container that
+    goes between the listing and an inspect (a warm one, say) does not fail the listing."""
+    return [c.id for c in client.containers.list(all=True, sparse=True, filters={"label": label})]
+
+
+def owned_containers(client: docker.DockerClient, pid: int) -> list[str]:
+    """The containers of the service process `pid`: its executions' and its warm pool's."""
+    return labelled_containers(client, f"org.metaagent.owner-pid={pid}")

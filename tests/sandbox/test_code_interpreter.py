@@ -17,7 +17,16 @@ import httpx2
 import pytest
 
 from metaagent.sandbox.image import image_tag
-from tests.sandbox.conftest import HOST_SECRET, Result, RunJs, Service, audit_record, code_runner
+from tests.sandbox.conftest import (
+    HOST_SECRET,
+    Result,
+    RunJs,
+    Service,
+    audit_record,
+    audit_records,
+    code_runner,
+    owned_containers,
+)
 from tests.test_cli import serving
 
 pytestmark = pytest.mark.docker
@@ -200,10 +209,6 @@ def test_every_execution_gets_a_fresh_container_that_is_removed(
     assert containers_of(second.body["execution_id"]) == []
 
 
-def _audit_records(service: Service) -> list[dict[str, object]]:
-    return [json.loads(line) for line in service.audit_log.read_text().splitlines()]
-
-
 def test_every_execution_writes_an_audit_record_with_its_security_context(sandbox_service: Service) -> None:
     code = "console.log('audited')"
     result = code_runner(sandbox_service)(code)
@@ -297,7 +302,7 @@ def test_client_that_disconnects_gets_its_container_removed(
         if not [e for e in sandbox_service.get("/executions").json()["executions"] if e["timeout_s"] == 120]:
             break
         time.sleep(0.1)
-    record = next(r for r in reversed(_audit_records(sandbox_service)) if r.get("limits", {}).get("timeout_s") == 120)  # type: ignore[union-attr]
+    record = next(r for r in reversed(audit_records(sandbox_service)) if r.get("limits", {}).get("timeout_s") == 120)  # type: ignore[union-attr]
     assert record["outcome"] == {"status": "error", "error": "cancelled"}
     assert containers_of(str(record["execution_id"])) == []
 
@@ -349,17 +354,14 @@ def test_shutdown_signal_kills_running_executions_and_exits_0(
             time.sleep(0.05)
         assert running
         assert running[0]["state"] == "running"
-        owned = {"label": f"org.metaagent.owner-pid={process.pid}"}
-        assert running[0]["container_id"] in {
-            c.id for c in docker_client.containers.list(all=True, sparse=True, filters=owned)
-        }
+        assert running[0]["container_id"] in owned_containers(docker_client, process.pid)
 
         process.send_signal(getattr(signal, signal_name))
         assert process.wait(timeout=60) == 0  # not a speed check: far below the execution's 120 s
         thread.join(timeout=10)
         assert holder["response"].status_code == 200
         assert holder["response"].json()["killed"] is True
-        assert docker_client.containers.list(all=True, sparse=True, filters=owned) == []
+        assert owned_containers(docker_client, process.pid) == []
         record = json.loads((tmp_path / "audit.jsonl").read_text().splitlines()[-1])
         assert record["outcome"]["killed"] is True  # the audit record was flushed before the exit
 

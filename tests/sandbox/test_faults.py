@@ -21,6 +21,7 @@ import httpx2
 import pytest
 
 from metaagent.sandbox.image import image_tag
+from tests.sandbox.conftest import owned_containers
 from tests.sandbox.private_engine import PrivateEngine, private_engine
 from tests.test_cli import serving
 
@@ -131,11 +132,6 @@ def test_a_full_disk_while_building_the_image_is_reported_by_health_and_executio
         assert response.json()["error"] == image["error"]
 
 
-def _orphans(client: docker.DockerClient, pid: int) -> list[str]:
-    found = client.containers.list(all=True, sparse=True, filters={"label": f"org.metaagent.owner-pid={pid}"})
-    return [c.id for c in found]
-
-
 def test_a_service_killed_mid_execution_leaves_a_container_that_the_next_start_removes(
     docker_client: docker.DockerClient, tmp_path: Path
 ) -> None:
@@ -160,15 +156,15 @@ def test_a_service_killed_mid_execution_leaves_a_container_that_the_next_start_r
             wait_for(running, "the execution's start")
             os.kill(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
-            left = _orphans(docker_client, process.pid)  # the execution's, and the warm pool's
+            left = owned_containers(docker_client, process.pid)  # the execution's, and the warm pool's
             assert executing[0] in left  # the dead service could not remove it
             assert docker_client.containers.get(executing[0]).status == "running"
         finally:
             request.join(timeout=CLIENT_TIMEOUT_S)
     try:
         with serving(tmp_path) as (_base, _next):
-            wait_for(lambda: not _orphans(docker_client, process.pid), "the orphan's removal", timeout_s=60)
+            wait_for(lambda: not owned_containers(docker_client, process.pid), "the orphan's removal", timeout_s=60)
     finally:
-        for leftover in _orphans(docker_client, process.pid):
+        for leftover in owned_containers(docker_client, process.pid):
             with contextlib.suppress(docker.errors.NotFound):
                 docker_client.api.remove_container(leftover, force=True)

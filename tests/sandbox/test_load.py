@@ -14,6 +14,7 @@ import docker
 import httpx2
 import pytest
 
+from tests.sandbox.conftest import owned_containers
 from tests.test_cli import serving
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -68,9 +69,7 @@ def test_hundreds_of_concurrent_executions_are_each_served_or_refused_and_nothin
         metrics_after = httpx2.get(f"{base}/metrics", timeout=30).text
         assert httpx2.get(f"{base}/executions", timeout=30).json()["executions"] == []
     # After the service's clean stop: not one container of its executions or of its warm pool is left.
-    left = docker_client.containers.list(
-        all=True, sparse=True, filters={"label": f"org.metaagent.owner-pid={process.pid}"}
-    )
+    left = owned_containers(docker_client, process.pid)
     assert process.returncode == 0
 
     assert sorted(n for n, *_ in answers) == list(range(REQUESTS))  # every request got an answer

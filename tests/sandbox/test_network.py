@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import ssl
 import threading
 import time
@@ -38,7 +37,8 @@ from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.network import NetworkLimits, SandboxNetwork, read_extra_ca_certs
 from metaagent.tools.code_interpreter import container_spec
 from tests.conftest import _UpstreamHandler
-from tests.sandbox.conftest import Result, Service, running_service
+from tests.sandbox.conftest import Result, Service, audit_records, running_service
+from tests.sandbox.test_tunnel import holding_server, port_of
 from tests.test_cli import serving
 
 MAX_TUNNEL_BYTES = 1024 * 1024
@@ -110,38 +110,11 @@ def run_net(network_service: Service) -> RunNet:
 
 
 def audit_of(service: Service, execution_id: str) -> list[dict[str, Any]]:
-    records = [json.loads(line) for line in service.audit_log.read_text().splitlines()]
-    return [r for r in records if r.get("execution_id") == execution_id]
+    return [r for r in audit_records(service) if r.get("execution_id") == execution_id]
 
 
 def finished_record(service: Service, result: Result) -> dict[str, Any]:
     return next(r for r in audit_of(service, result.body["execution_id"]) if r["event"] == "execution.finished")
-
-
-def port_of(url: str) -> int:
-    return int(url.rsplit(":", 1)[1])
-
-
-@contextmanager
-def holding_server() -> Iterator[tuple[int, threading.Event]]:
-    """A TCP server on 127.0.0.1 that never answers; the event is set when its first client hangs up."""
-    closed = threading.Event()
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-
-    def serve() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            while conn.recv(4096):
-                pass
-        closed.set()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield listener.getsockname()[1], closed
-    finally:
-        listener.close()
 
 
 # --- sandboxed code reaches allowed hosts -------------------------------------------------------------

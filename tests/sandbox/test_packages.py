@@ -26,7 +26,7 @@ from metaagent.sandbox.engine import Engine, EngineUnavailable
 from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.network import NetworkLimits, SandboxNetwork
 from tests.fake_registry import FakePackage, FakeRegistry, running_registry
-from tests.sandbox.conftest import Service, running_service
+from tests.sandbox.conftest import Service, audit_record, running_service
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
 
@@ -44,14 +44,6 @@ FAKE_ALLOWED = [p.name for p in FAKE_PACKAGES] + ["fs-extra"]
 def post(service: Service, code: str, packages: list[str]) -> tuple[int, dict[str, Any]]:
     response = service.post("/tools/code-interpreter", {"code": code, "timeout_s": 10, "packages": packages})
     return response.status_code, response.json()
-
-
-def audit_of(service: Service, execution_id: str) -> dict[str, Any]:
-    for line in service.audit_log.read_text().splitlines():
-        record: dict[str, Any] = json.loads(line)
-        if record.get("execution_id") == execution_id:
-            return record
-    raise AssertionError(f"no audit record for {execution_id}")
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +79,7 @@ def test_lodash_installs_and_works(sandbox_service: Service) -> None:
     assert status == 200, body
     assert body["exit_code"] == 0, body["stderr"]
     assert body["stdout"] == "[[1,2],[3]]\n"
-    packages = audit_of(sandbox_service, body["execution_id"])["packages"]
+    packages = audit_record(sandbox_service, body["execution_id"])["packages"]
     assert packages["requested"] == ["lodash"]
     [lodash] = packages["resolved"]
     assert lodash["name"] == "lodash"
@@ -109,7 +101,7 @@ def test_a_version_range_installs_a_version_in_it(sandbox_service: Service) -> N
     status, body = post(sandbox_service, "console.log(require('dayjs/package.json').version)", ["dayjs@~1.11.0"])
     assert status == 200, body
     assert body["stdout"].startswith("1.11."), body["stderr"]
-    [dayjs] = audit_of(sandbox_service, body["execution_id"])["packages"]["resolved"]
+    [dayjs] = audit_record(sandbox_service, body["execution_id"])["packages"]["resolved"]
     assert dayjs["version"] == body["stdout"].strip()
 
 
@@ -167,8 +159,8 @@ def test_the_cache_serves_a_repeat_request_without_running_npm(
     assert second_status == 200, second
     assert second["stdout"] == first["stdout"] == "cache-probe works\n"
     assert len(fake_registry.requests_for("cache-probe")) == fetched
-    assert audit_of(npm_service, first["execution_id"])["packages"]["cache_hit"] is False
-    assert audit_of(npm_service, second["execution_id"])["packages"]["cache_hit"] is True
+    assert audit_record(npm_service, first["execution_id"])["packages"]["cache_hit"] is False
+    assert audit_record(npm_service, second["execution_id"])["packages"]["cache_hit"] is True
 
 
 def test_concurrent_identical_requests_install_once(npm_service: Service, fake_registry: FakeRegistry) -> None:
@@ -188,7 +180,7 @@ def test_concurrent_identical_requests_install_once(npm_service: Service, fake_r
     assert all(body["stdout"] == "concurrent-probe works\n" for _, body in results)
     tarballs = [r for r in fake_registry.requests_for("concurrent-probe") if r.endswith(".tgz")]
     assert tarballs == ["/concurrent-probe/-/concurrent-probe-1.0.0.tgz"]
-    hits = sorted(audit_of(npm_service, body["execution_id"])["packages"]["cache_hit"] for _, body in results)
+    hits = sorted(audit_record(npm_service, body["execution_id"])["packages"]["cache_hit"] for _, body in results)
     assert hits == [False, True, True]
 
 

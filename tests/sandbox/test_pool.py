@@ -11,16 +11,18 @@ import docker
 import docker.errors
 import pytest
 
-from tests.sandbox.conftest import Service, audit_record, code_runner, running_service, wait_for_warm_containers
+from tests.sandbox.conftest import (
+    Service,
+    audit_record,
+    code_runner,
+    owned_containers,
+    running_service,
+    wait_for_warm_containers,
+)
 
 pytestmark = pytest.mark.docker
 
 SLOW_PRINT = "setTimeout(() => console.log('ok'), 1500)"
-
-
-def owned_containers(client: docker.DockerClient, service: Service) -> list[str]:
-    found = client.containers.list(all=True, sparse=True, filters={"label": f"org.metaagent.owner-pid={service.pid}"})
-    return [c.id for c in found]
 
 
 def test_each_warm_container_serves_one_execution_and_is_gone_afterwards(
@@ -88,11 +90,11 @@ def test_the_pool_refills_after_a_burst_and_is_emptied_at_shutdown(
         assert pool["size"] == 2
         assert "metaagent_pool_containers 2.0" in service.get("/metrics").text
         assert pool["served"] == paths.count("warm")
-        assert len(owned_containers(docker_client, service)) == 2  # just the refilled pool: nothing left over
+        assert len(owned_containers(docker_client, service.pid)) == 2  # just the refilled pool: nothing left over
 
         service.process.send_signal(signal.SIGTERM)
         assert service.process.wait(timeout=60) == 0
-        assert owned_containers(docker_client, service) == []
+        assert owned_containers(docker_client, service.pid) == []
 
 
 def test_no_pool_when_it_is_off(tmp_path: Path, docker_client: docker.DockerClient) -> None:
@@ -101,4 +103,4 @@ def test_no_pool_when_it_is_off(tmp_path: Path, docker_client: docker.DockerClie
         pool = service.get("/health").json()["checks"]["warm_pool"]
         assert result.stdout == "cold\n"
         assert pool == {"ok": True, "ready": 0, "size": 0, "served": 0}
-        assert owned_containers(docker_client, service) == []
+        assert owned_containers(docker_client, service.pid) == []
