@@ -49,10 +49,9 @@ MAX_REQUEST_LINE = 512
 REQUEST_LINE_TIMEOUT_S = 10.0
 CHUNK = 64 * 1024
 # Refusals an execution may provoke: each host refusal writes a [SECURITY] line and an egress.blocked
-# record, so past this every request is refused unheard (and only counted).
+# record, so past this every request is refused unheard (and only counted). The execution's own audit
+# record lists the refusals that were heard.
 MAX_REFUSALS = 50
-# Refusals kept in the execution's audit record; each host refusal also has its own egress.blocked record.
-MAX_RECORDED_REFUSALS = 50
 
 HOST_BLOCKED = "ERR_METAAGENT_HOST_BLOCKED"
 TUNNEL_LIMIT = "ERR_METAAGENT_TUNNEL_LIMIT"
@@ -90,7 +89,7 @@ class TunnelStats:
 
     def refuse(self, host: str | None, port: int | None, code: str, message: str) -> None:
         self.refused += 1
-        if len(self.refusals) < MAX_RECORDED_REFUSALS:
+        if len(self.refusals) < MAX_REFUSALS:
             self.refusals.append({"host": host, "port": port, "code": code, "reason": message})
 
     def record(self) -> dict[str, Any]:

@@ -178,8 +178,7 @@ class CodeInterpreter:
             self.packages.stop_installing()
 
     async def __call__(self, request: CodeInterpreterRequest, caller: str | None = None) -> CodeInterpreterResponse:
-        if self.closing:
-            raise Unavailable("The service is shutting down; retry on another instance")
+        self._refuse_if_closing()
         dependencies = self._check_packages(request.packages)
         allowlist = self._network_allowlist(request)
         image_ref = await self.image.require()
@@ -191,8 +190,7 @@ class CodeInterpreter:
             self._provide_packages(request.packages, dependencies, image_ref, caller) as packages,
             self.admission.slot() as queued_s,
         ):
-            if self.closing:  # the service began to stop while this execution was queued
-                raise Unavailable("The service is shutting down; retry on another instance")
+            self._refuse_if_closing()  # the service may have begun to stop while this execution was queued
             warm = self._take_warm(request, image_ref)
             execution_id = warm.execution_id if warm else new_execution_id()
             execution = Execution(execution_id, request.timeout_s, request.memory_mb, caller=caller)
@@ -237,6 +235,10 @@ class CodeInterpreter:
             killed=outcome.killed,
             queued_ms=int(queued_s * 1000),
         )
+
+    def _refuse_if_closing(self) -> None:
+        if self.closing:
+            raise Unavailable("The service is shutting down; retry on another instance")
 
     def _take_warm(self, request: CodeInterpreterRequest, image_ref: str) -> Warm | None:
         """A pooled container when the request is for the pool's configuration (and one is ready)."""
