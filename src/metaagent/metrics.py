@@ -20,9 +20,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
-from fastapi import FastAPI
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
-from starlette.responses import Response
+from prometheus_client import Counter, Gauge, Histogram
 
 from metaagent.errors import AtCapacity, RequestRefused, Unavailable
 
@@ -107,10 +105,3 @@ def _outcome(response: CodeInterpreterResponse) -> str:
     if response.oom_killed:
         return "oom_killed"
     return "completed" if response.exit_code == 0 else "failed"
-
-
-def add_route(app: FastAPI) -> None:
-    # An explicit route: mounting prometheus-client's ASGI app would redirect /metrics to /metrics/.
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

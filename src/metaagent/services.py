@@ -1,21 +1,53 @@
-"""The running service's parts, built once in the app's lifespan and shared by HTTP routes and MCP."""
+"""The running service's parts: built once when the service starts, shared by HTTP routes and MCP.
+
+`running_services(config)` builds them, starts the background work (orphan sweep, image, warm pool),
+and on the way out stops every execution and releases what the parts hold.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import anyio
+
+from metaagent import metrics
 from metaagent.access import ExecutionQuota
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard
 from metaagent.executions import ExecutionRegistry
-from metaagent.sandbox.engine import Engine
+from metaagent.packages.policy import PackagePolicy
+from metaagent.packages.store import PackageStore, package_store
+from metaagent.sandbox.engine import Engine, EngineUnavailable
+from metaagent.sandbox.network import NetworkLimits, SandboxNetwork
+from metaagent.sandbox.pool import WarmPool
 from metaagent.sandbox.provision import SandboxImage
 from metaagent.settings import Settings
 from metaagent.tools.code_interpreter import CodeInterpreter
 from metaagent.tools.embeddings import EmbeddingsTool
 from metaagent.tools.http import HttpTool
 from metaagent.tools.search import SearchTool
+
+log = logging.getLogger("metaagent")
+
+EMPTY_ALLOWLIST_WARNING = (
+    "ALLOW_HTTP_HOSTS is empty: every outbound request is blocked. "
+    'Set it to a JSON array of hosts, e.g. ALLOW_HTTP_HOSTS=\'["api.openai.com", "*.example.com"]\''
+)
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """What `create_app` read and validated before anything starts (a ConfigError stops start-up there)."""
+
+    settings: Settings
+    allowlist: AllowList
+    package_policy: PackagePolicy
+    extra_ca_pem: bytes
 
 
 @dataclass
@@ -32,3 +64,108 @@ class Services:
     search: SearchTool
     embeddings: EmbeddingsTool
     execution_quota: ExecutionQuota
+    packages: PackageStore
+
+    def begin_stop(self) -> None:
+        """Refuses new executions, empties the warm pool and asks every running one to be killed."""
+        self.interpreter.close()
+        self.executions.kill_all()
+
+    async def stop(self) -> None:
+        """Stops new work, kills every running execution and waits (bounded) for their containers to go."""
+        self.begin_stop()
+        with anyio.move_on_after(30):
+            await self.executions.wait_empty()
+
+
+@asynccontextmanager
+async def running_services(config: Configuration) -> AsyncIterator[Services]:
+    settings = config.settings
+    if not config.allowlist:
+        log.warning(EMPTY_ALLOWLIST_WARNING)
+    audit = AuditLog(settings.audit_log)
+    guard = EgressGuard(config.allowlist, allow_private_networks=settings.allow_private_networks, audit=audit)
+    http = HttpTool(
+        guard,
+        max_response_bytes=settings.http_max_response_bytes,
+        max_redirects=settings.http_max_redirects,
+    )
+    engine = Engine()
+    image = SandboxImage(engine, tag=settings.sandbox_image, cache_dir=settings.sandbox_cache_dir)
+    executions = ExecutionRegistry()
+    for entry in config.package_policy.blocked_entries:
+        log.warning("METAAGENT_NPM_ALLOWED_PACKAGES lists %s, which is on the block list: it stays refused", entry)
+    packages = package_store(settings, config.package_policy, engine, audit)
+    cpu_count = os.cpu_count() or 1
+    interpreter = CodeInterpreter(
+        engine,
+        image,
+        executions,
+        audit,
+        capacity=settings.effective_concurrency(cpu_count),
+        queue_size=settings.execution_queue_size,
+        cpus=settings.sandbox_cpus,
+        grace_s=settings.kill_grace_s,
+        pool_size=settings.effective_pool_size(cpu_count),
+        packages=packages,
+        network=SandboxNetwork(
+            engine,
+            guard,
+            NetworkLimits(settings.sandbox_max_tunnels, settings.sandbox_max_tunnel_bytes),
+            config.extra_ca_pem,
+        ),
+    )
+    search, embeddings = SearchTool(guard, settings), EmbeddingsTool(guard, settings)
+    metrics.watch_admission(interpreter.admission)
+    metrics.watch_pool(interpreter.pool)
+    services = Services(
+        settings,
+        config.allowlist,
+        audit,
+        guard,
+        http,
+        engine,
+        image,
+        executions,
+        interpreter,
+        search,
+        embeddings,
+        ExecutionQuota(settings.max_executions_per_key),
+        packages,
+    )
+    async with anyio.create_task_group() as background:
+        background.start_soon(_prepare_sandbox, engine, image, interpreter.pool, settings.sandbox_build_on_start)
+        try:
+            yield services
+        finally:
+            await services.stop()
+            with anyio.move_on_after(30):
+                await interpreter.pool.stopped.wait()
+            await _remove_package_volumes(packages)
+            await http.aclose()
+            await search.aclose()
+            await embeddings.aclose()
+            engine.close()
+            # Last: cancelling this task group's scope also cancels every await above in this task.
+            background.cancel_scope.cancel()
+
+
+async def _prepare_sandbox(engine: Engine, image: SandboxImage, pool: WarmPool, build: bool) -> None:
+    """Removes what a dead service left, makes sure of the image, then keeps the warm pool filled."""
+    try:
+        removed = await engine.remove_orphans()
+    except EngineUnavailable as exc:
+        log.warning("%s", exc.message)
+    else:
+        if removed:
+            log.warning("removed %d container(s) or volume(s) of a service that stopped without cleaning up", removed)
+        await image.refresh(build=build)
+    await pool.run()
+
+
+async def _remove_package_volumes(packages: PackageStore) -> None:
+    with anyio.move_on_after(30):
+        try:
+            await packages.close()
+        except EngineUnavailable as exc:
+            log.warning("package volumes were not removed: %s", exc.message)

@@ -1,0 +1,50 @@
+"""Every error answer is JSON `{"error": ...}`: the handlers that make it so, and its OpenAPI shape."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from metaagent.errors import AtCapacity, MetaAgentError, describe_validation_errors
+
+log = logging.getLogger("metaagent")
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` entry for routes that may answer these error statuses."""
+    schema = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
+    return {s: {"description": "Error", "content": {"application/json": {"schema": schema}}} for s in statuses}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(MetaAgentError)
+    async def on_metaagent_error(_request: Request, exc: MetaAgentError) -> JSONResponse:
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, AtCapacity) else None
+        if exc.status_code >= 500 and exc.status_code not in (502, 503, 504):
+            log.error("internal error: %s", exc.message)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, details = describe_validation_errors(exc.errors())
+        return JSONResponse({"error": message, "details": details}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        # FastAPI's body parser says only "There was an error parsing the body"; its cause says what to fix.
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            message = f"The request body is not valid UTF-8 ({exc.__cause__.reason}); send JSON encoded as UTF-8"
+        elif isinstance(exc.__cause__, RecursionError):
+            message = "The request body nests arrays or objects too deeply to parse; send flatter JSON"
+        return JSONResponse({"error": message}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.error("unexpected error", exc_info=exc)
+        return JSONResponse({"error": "Internal error; the service log has the details"}, status_code=500)
