@@ -111,7 +111,11 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         network=SandboxNetwork(
             engine,
             guard,
-            NetworkLimits(settings.sandbox_max_tunnels, settings.sandbox_max_tunnel_bytes),
+            NetworkLimits(
+                settings.sandbox_max_tunnels,
+                settings.sandbox_max_tunnel_bytes,
+                tunnel_rate=settings.sandbox_tunnel_rate,
+            ),
             config.extra_ca_pem,
         ),
     )
