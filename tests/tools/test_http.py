@@ -227,6 +227,32 @@ async def test_empty_allow_list_blocks_every_request(
     assert any("every outbound request is blocked" in r.getMessage() for r in caplog.records)
 
 
+async def test_empty_items_in_comma_separated_lists_are_ignored_with_one_warning_line_each(
+    service: ServiceFactory, upstream: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        async with service(allow_http_hosts="127.0.0.1,, ", npm_allowed_packages="lodash,") as client:
+            response = await client.post("/tools/http", json={"url": f"{upstream}/hello"})
+    assert response.status_code == 200
+    lines = [r.getMessage() for r in caplog.records if "empty item" in r.getMessage()]
+    assert lines == [
+        "ALLOW_HTTP_HOSTS has 2 empty items (stray or trailing commas); ignored",
+        "METAAGENT_NPM_ALLOWED_PACKAGES has 1 empty item (stray or trailing commas); ignored",
+    ]
+
+
+async def test_a_list_of_only_empty_items_blocks_every_request_as_an_empty_one_does(
+    service: ServiceFactory, upstream: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        async with service(allow_http_hosts=" , ,") as client:
+            response = await client.post("/tools/http", json={"url": f"{upstream}/hello"})
+    assert response.status_code == 400
+    messages = [r.getMessage() for r in caplog.records]
+    assert "ALLOW_HTTP_HOSTS has 3 empty items (stray or trailing commas); ignored" in messages
+    assert any("every outbound request is blocked" in m for m in messages)
+
+
 async def test_host_header_from_the_caller_is_refused(service: ServiceFactory, upstream: str) -> None:
     async with service(allow_http_hosts=LOCAL) as client:
         response = await client.post(
