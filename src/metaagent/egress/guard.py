@@ -2,7 +2,8 @@
 
 Two checks, in this order, for every request and every redirect hop:
 
-1. `check_url`: the URL is http(s) and its host (read as `egress.url` reads it) is on the allow-list.
+1. `check_url`: the URL is http(s) and its host (read as `egress.url` reads it) is on the allow-list. A
+   host that cannot be read is blocked the same way (`Blocked host: <host>`, the reason in `reason`).
 2. At connect time, inside the HTTP client's network backend: the guard resolves the host itself and
    refuses every address the IANA special-purpose registries do not mark globally reachable
    (`egress.addresses`: loopback, private-use, link-local, documentation, IPv4-mapped, 6to4, the NAT64
@@ -33,7 +34,7 @@ from metaagent import metrics
 from metaagent.audit import AuditLog
 from metaagent.egress.addresses import refusal
 from metaagent.egress.allowlist import AllowList, canonical_ip
-from metaagent.egress.url import SchemeRefused, Target, parse_url
+from metaagent.egress.url import InvalidHost, SchemeRefused, Target, parse_url
 from metaagent.errors import EgressRefused, HostBlocked, UpstreamError, UpstreamTimeout
 
 security_log = logging.getLogger("metaagent.security")
@@ -83,6 +84,16 @@ class EgressGuard:
         shown = f"({method} {escape_for_log(url)})"
         try:
             target = parse_url(url)
+        except InvalidHost as exc:  # a host that cannot be read is blocked as one not on the list
+            self._refuse(
+                f"Blocked HTTP request to disallowed host: {escape_for_log(exc.host)} {shown}",
+                tool,
+                host=exc.host,
+                url=url,
+                method=method,
+                reason=exc.message,
+            )
+            raise HostBlocked(exc.host, reason=exc.message) from None
         except SchemeRefused as exc:
             self._refuse(
                 f"Blocked HTTP request with disallowed scheme: {exc.scheme} {shown}",
