@@ -105,6 +105,14 @@ def test_allowlist_check_prints_the_parsed_patterns(tmp_path: Path) -> None:
     assert "*.example.com  [wildcard (subdomains only)]" in result.stdout
 
 
+def test_allowlist_check_warns_once_about_ignored_empty_items(tmp_path: Path) -> None:
+    result = run(tmp_path, "allowlist", "check", ALLOW_HTTP_HOSTS="api.openai.com,,*.example.com,")
+    assert result.returncode == 0
+    assert result.stderr.count("empty items") == 1
+    assert "ALLOW_HTTP_HOSTS has 2 empty items (stray or trailing commas); ignored" in result.stderr
+    assert "2 pattern(s):" in result.stdout
+
+
 def test_allowlist_check_exits_2_on_malformed_config(tmp_path: Path) -> None:
     result = run(tmp_path, "allowlist", "check", ALLOW_HTTP_HOSTS='["a.com",]')
     assert result.returncode == 2

@@ -21,6 +21,12 @@ NAMES = {
     "metaagent_pool_containers",
     "metaagent_egress_blocked",
     "metaagent_engine_errors",
+    "metaagent_tunnel_operations",
+    "metaagent_tunnel_waits",
+    "metaagent_tunnel_refusals",
+    "metaagent_tunnel_bytes",
+    "metaagent_tunnel_execution_operations",
+    "metaagent_tunnels_open",
 }
 
 

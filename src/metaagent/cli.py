@@ -209,13 +209,15 @@ def mcp_stdio() -> None:
 @allowlist_app.command("check")
 def allowlist_check() -> None:
     """Print the parsed allow-list and every warning or error (exit 2 when malformed)."""
-    from metaagent.egress.allowlist import AllowList
+    from metaagent.egress.allowlist import AllowList, empty_items_warning
 
     settings = Settings()
     try:
         allowlist = AllowList.parse(settings.allow_http_hosts)
     except ConfigError as exc:
         raise _fail(f"error: {exc}") from None
+    if allowlist.empty_items:
+        print(f"warning: {empty_items_warning('ALLOW_HTTP_HOSTS', allowlist.empty_items)}", file=sys.stderr)
     if not allowlist:
         print("warning: ALLOW_HTTP_HOSTS is empty: every outbound request is blocked", file=sys.stderr)
     for duplicate in allowlist.duplicates:

@@ -63,12 +63,17 @@ class EgressRefused(RequestRefused):
 
 
 class HostBlocked(EgressRefused):
-    def __init__(self, host: str, hint: str | None = None) -> None:
+    """The seed's `Blocked host: <host>`; `reason`, when given (a host that cannot be read), goes in a
+    field of its own, so that clients matching on the seed's text keep working."""
+
+    def __init__(self, host: str, hint: str | None = None, reason: str | None = None) -> None:
         message = f"Blocked host: {host}"
         if hint:
             message = f"{message} ({hint})"
-        super().__init__(message, host=host)
+        extra = {"host": host} if reason is None else {"host": host, "reason": reason}
+        super().__init__(message, **extra)
         self.host = host
+        self.reason = reason
 
 
 class PackageRefused(RequestRefused):

@@ -9,6 +9,15 @@
     metaagent_pool_containers                    warm containers ready in the pool
     metaagent_egress_blocked_total{tool}         outbound requests the egress guard refused
     metaagent_engine_errors_total                container engine calls that failed (engine down, refused)
+    metaagent_tunnel_operations_total{phase}     the service's work for sandbox tunnels: accept (connections
+                                                 accepted), check (tunnel requests read and decided: allow-lists,
+                                                 DNS, address policy, connect), relay (chunks moved)
+    metaagent_tunnel_waits_total{phase}          times an execution's accept, check or relay waited for its budget
+    metaagent_tunnel_refusals_total{reason}      tunnel connections refused: host, address, dns, limit, rate,
+                                                 request, bytes
+    metaagent_tunnel_bytes_total{direction}      bytes relayed, to_upstream or from_upstream
+    metaagent_tunnel_execution_operations{phase} histogram of one execution's tunnel work, observed when it ends
+    metaagent_tunnels_open                       tunnels open now, all executions together
 
 Metrics are process-wide (one service per process), on prometheus-client's default registry, which also
 carries the process's own `process_*` metrics (memory, CPU, open files).
@@ -52,6 +61,33 @@ QUEUED = Gauge("metaagent_executions_queued", "Executions waiting for a slot now
 POOL_CONTAINERS = Gauge("metaagent_pool_containers", "Warm sandbox containers ready in the pool")
 EGRESS_BLOCKED = Counter("metaagent_egress_blocked", "Outbound requests refused by the egress guard", ["tool"])
 ENGINE_ERRORS = Counter("metaagent_engine_errors", "Container engine calls that failed")
+TUNNEL_OPERATIONS = Counter(
+    "metaagent_tunnel_operations",
+    "Work the service did for sandbox tunnels: connections accepted, tunnel requests checked, chunks relayed",
+    ["phase"],
+)
+TUNNEL_WAITS = Counter(
+    "metaagent_tunnel_waits", "Times an execution's tunnel work waited for its per-execution budget", ["phase"]
+)
+TUNNEL_REFUSALS = Counter("metaagent_tunnel_refusals", "Sandbox tunnel connections refused, by reason", ["reason"])
+TUNNEL_BYTES = Counter("metaagent_tunnel_bytes", "Bytes relayed through sandbox tunnels", ["direction"])
+TUNNEL_EXECUTION_OPERATIONS = Histogram(
+    "metaagent_tunnel_execution_operations",
+    "Tunnel work of one execution (connections accepted, requests checked, chunks relayed), when it ends",
+    ["phase"],
+    buckets=(1, 10, 100, 1000, 10_000, 100_000, 1_000_000),
+)
+TUNNELS_OPEN = Gauge("metaagent_tunnels_open", "Sandbox tunnels open now")
+TUNNEL_PHASES = ("accept", "check", "relay")
+TUNNEL_REFUSAL_REASONS = ("host", "address", "dns", "limit", "rate", "request", "bytes")
+# Every series exists from the start, so a scrape shows zeros rather than nothing before the first tunnel.
+for _phase in TUNNEL_PHASES:
+    TUNNEL_OPERATIONS.labels(phase=_phase)
+    TUNNEL_WAITS.labels(phase=_phase)
+for _reason in TUNNEL_REFUSAL_REASONS:
+    TUNNEL_REFUSALS.labels(reason=_reason)
+for _direction in ("to_upstream", "from_upstream"):
+    TUNNEL_BYTES.labels(direction=_direction)
 
 
 def watch_admission(admission: _Admission) -> None:
@@ -71,6 +107,26 @@ def egress_blocked(tool: str) -> None:
 
 def engine_error() -> None:
     ENGINE_ERRORS.inc()
+
+
+def tunnel_operation(phase: str, waited: bool = False) -> None:
+    TUNNEL_OPERATIONS.labels(phase=phase).inc()
+    if waited:
+        TUNNEL_WAITS.labels(phase=phase).inc()
+
+
+def tunnel_refused(reason: str) -> None:
+    TUNNEL_REFUSALS.labels(reason=reason).inc()
+
+
+def tunnel_relayed(size: int, to_upstream: bool, waited: bool) -> None:
+    tunnel_operation("relay", waited)
+    TUNNEL_BYTES.labels(direction="to_upstream" if to_upstream else "from_upstream").inc(size)
+
+
+def tunnel_execution_ended(accepted: int, checked: int, relayed: int) -> None:
+    for phase, count in zip(TUNNEL_PHASES, (accepted, checked, relayed), strict=True):
+        TUNNEL_EXECUTION_OPERATIONS.labels(phase=phase).observe(count)
 
 
 async def observe_execution(call: Awaitable[CodeInterpreterResponse]) -> CodeInterpreterResponse:

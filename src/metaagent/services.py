@@ -17,9 +17,10 @@ import anyio
 from metaagent import metrics
 from metaagent.access import ExecutionQuota
 from metaagent.audit import AuditLog
-from metaagent.egress.allowlist import AllowList
+from metaagent.egress.allowlist import AllowList, empty_items_warning
 from metaagent.egress.guard import EgressGuard
 from metaagent.executions import ExecutionRegistry
+from metaagent.packages.policy import SETTING as NPM_SETTING
 from metaagent.packages.policy import PackagePolicy
 from metaagent.packages.store import PackageStore, package_store
 from metaagent.sandbox.engine import Engine, EngineUnavailable
@@ -81,6 +82,10 @@ class Services:
 @asynccontextmanager
 async def running_services(config: Configuration) -> AsyncIterator[Services]:
     settings = config.settings
+    if config.allowlist.empty_items:
+        log.warning(empty_items_warning("ALLOW_HTTP_HOSTS", config.allowlist.empty_items))
+    if config.package_policy.empty_items:
+        log.warning(empty_items_warning(NPM_SETTING, config.package_policy.empty_items))
     if not config.allowlist:
         log.warning(EMPTY_ALLOWLIST_WARNING)
     audit = AuditLog(settings.audit_log)
@@ -111,7 +116,11 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         network=SandboxNetwork(
             engine,
             guard,
-            NetworkLimits(settings.sandbox_max_tunnels, settings.sandbox_max_tunnel_bytes),
+            NetworkLimits(
+                settings.sandbox_max_tunnels,
+                settings.sandbox_max_tunnel_bytes,
+                tunnel_rate=settings.sandbox_tunnel_rate,
+            ),
             config.extra_ca_pem,
         ),
     )

@@ -81,10 +81,12 @@ class Settings(BaseSettings):
     npm_max_install_mb: int = Field(default=50, ge=1, le=1024)  # the seed's 50 MB app directory
     npm_cache_max_sets: int = Field(default=32, ge=1)
 
-    # Network for sandboxed code (executions that ask for `network`): per execution, tunnels open at once
-    # and bytes moved in both directions; a PEM bundle of CAs the sandbox trusts besides the image's.
+    # Network for sandboxed code (executions that ask for `network`): per execution, tunnels open at once,
+    # bytes moved in both directions and new tunnels per second; a PEM bundle of CAs the sandbox trusts
+    # besides the image's.
     sandbox_max_tunnels: int = Field(default=8, ge=1, le=64)
     sandbox_max_tunnel_bytes: int = Field(default=64 * MIB, ge=1)
+    sandbox_tunnel_rate: float = Field(default=50.0, gt=0, le=10_000)
     sandbox_extra_ca_certs: Path | None = None
 
     # Operations.

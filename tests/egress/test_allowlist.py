@@ -93,6 +93,7 @@ def test_parse_names_every_bad_entry() -> None:
         AllowList.parse('["good.example.com", "https://bad.example.com", "api.*.x.com"]')
     assert "2 malformed entries" in caught.value.message
     problems = "\n".join(caught.value.problems)
+    assert problems.startswith("item 2: 'https://bad.example.com'")
     assert "https://bad.example.com" in problems
     assert "api.*.x.com" in problems
     assert "good.example.com" not in problems
@@ -106,9 +107,72 @@ def test_broken_json_is_refused_with_a_json_syntax_hint(raw: str) -> None:
     assert "double quotes" in str(caught.value)
 
 
-def test_json_that_is_not_an_array_of_strings_is_refused() -> None:
-    with pytest.raises(ConfigError, match="array of strings"):
-        AllowList.parse("[1, 2]")
+def test_a_json_array_names_each_item_that_is_not_a_string_by_position_and_value() -> None:
+    with pytest.raises(ConfigError) as caught:
+        AllowList.parse('["a.example.com", 42, null, {"x": 1}]')
+    assert caught.value.message == "ALLOW_HTTP_HOSTS is a JSON array with 3 items that are not strings"
+    assert [p.split(";")[0] for p in caught.value.problems] == [
+        "item 2: 42 is not a string",
+        "item 3: null is not a string",
+        'item 4: {"x": 1} is not a string',
+    ]
+    assert all('write it in double quotes, like "api.example.com"' in p for p in caught.value.problems)
+
+
+def test_a_json_array_with_one_bad_item_says_so_in_the_singular() -> None:
+    with pytest.raises(ConfigError) as caught:
+        AllowList.parse("[42]")
+    assert caught.value.message == "ALLOW_HTTP_HOSTS is a JSON array with an item that is not a string"
+    assert caught.value.problems[0].startswith("item 1: 42 is not a string")
+
+
+def test_broken_json_says_where_json_could_not_read_it() -> None:
+    with pytest.raises(ConfigError) as caught:
+        AllowList.parse('["a.com", "b.com",]')
+    assert caught.value.problems[0] == (
+        'JSON could not read it at character 19 (Expecting value), near \'["a.com", "b.com",]\''
+    )
+
+
+def test_quotes_without_brackets_name_the_items_that_have_them() -> None:
+    with pytest.raises(ConfigError) as caught:
+        AllowList.parse('a.com, "b.com", c.com')
+    assert caught.value.problems[0] == "item 2: '\"b.com\"' has brackets or quotes"
+
+
+def test_malformed_patterns_are_named_by_position() -> None:
+    with pytest.raises(ConfigError) as caught:
+        AllowList.parse("good.example.com, https://bad.example.com, a..b")
+    assert [p.split(":", 1)[0] for p in caught.value.problems] == ["item 2", "item 3"]
+    assert caught.value.problems[0].startswith("item 2: 'https://bad.example.com': a scheme")
+
+
+@pytest.mark.parametrize(
+    ("raw", "patterns", "empty"),
+    [
+        ("api.openai.com,", ("api.openai.com",), 1),
+        ("api.openai.com,,*.example.com", ("api.openai.com", "*.example.com"), 1),
+        (",api.openai.com, ,", ("api.openai.com",), 3),
+    ],
+)
+def test_empty_comma_separated_items_are_ignored_and_counted(raw: str, patterns: tuple[str, ...], empty: int) -> None:
+    allowlist = AllowList.parse(raw)
+    assert allowlist.patterns == patterns
+    assert allowlist.empty_items == empty
+
+
+@pytest.mark.parametrize("raw", [",", " , ,", ",,,"])
+def test_a_list_of_only_empty_items_is_the_empty_list(raw: str) -> None:
+    allowlist = AllowList.parse(raw)
+    assert not allowlist
+    assert "empty" in allowlist.match("api.openai.com").reason
+
+
+def test_an_empty_string_in_a_json_array_is_malformed_not_ignored() -> None:
+    # JSON has no stray commas: an empty string there was written on purpose, and means nothing.
+    with pytest.raises(ConfigError) as caught:
+        AllowList.parse('["a.example.com", ""]')
+    assert caught.value.problems == ["item 2: '': empty entry; remove it"]
 
 
 def test_ip_hosts_match_only_exact_entries() -> None:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metaagent.egress.url import InvalidURL, SchemeRefused, parse_url
+from metaagent.egress.url import InvalidHost, InvalidURL, SchemeRefused, parse_url
 
 pytestmark = pytest.mark.security
 
@@ -82,6 +82,34 @@ def test_only_http_and_https_are_accepted(url: str) -> None:
 def test_invalid_urls_are_refused(url: str) -> None:
     with pytest.raises(InvalidURL):
         parse_url(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "host"),
+    [
+        ("http://exa mple.com/", "exa mple.com"),
+        ("http://a..b/", "a..b"),
+        ("http://[::1/", "[::1"),
+        ("http://[::1]x/", "[::1]x"),
+        ("http://[not-ipv6]/", "[not-ipv6]"),
+        ("http://1.2.3.4.5/", "1.2.3.4.5"),
+        ("http://256.1.1.1/", "256.1.1.1"),
+        ("http://foo.08/", "foo.08"),
+        ("http://ex%00ample.com/", "ex%00ample.com"),
+        ("http://%ff.com/", "%ff.com"),
+    ],
+)
+def test_a_host_that_cannot_be_read_is_named_as_written(url: str, host: str) -> None:
+    with pytest.raises(InvalidHost) as caught:
+        parse_url(url)
+    assert caught.value.host == host
+
+
+@pytest.mark.parametrize("url", ["example.com/x", "http://", "http://x:99999/"])
+def test_a_url_refused_for_its_form_or_port_is_not_a_host_refusal(url: str) -> None:
+    with pytest.raises(InvalidURL) as caught:
+        parse_url(url)
+    assert not isinstance(caught.value, InvalidHost)
 
 
 @given(st.integers(min_value=0, max_value=2**32 - 1))

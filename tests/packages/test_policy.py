@@ -178,6 +178,7 @@ def test_malformed_allow_list_entries_refuse_start_up_each_named() -> None:
         PackagePolicy.parse('["lodash", "https://x.example/a.tgz", "Dayjs", "zod@latest", "zod@^3"]')
     problems = "\n".join(caught.value.problems)
     assert len(caught.value.problems) == 3
+    assert [p.split(":", 1)[0] for p in caught.value.problems] == ["item 2", "item 3", "item 4"]
     for bad in ("https://x.example/a.tgz", "Dayjs", "zod@latest"):
         assert bad in problems
 
@@ -185,7 +186,23 @@ def test_malformed_allow_list_entries_refuse_start_up_each_named() -> None:
 def test_the_same_package_listed_with_two_versions_refuses_start_up() -> None:
     with pytest.raises(ConfigError) as caught:
         PackagePolicy.parse("lodash@^4, lodash@^3")
-    assert "listed twice" in caught.value.problems[0]
+    assert caught.value.problems[0].startswith("item 2: 'lodash' is listed twice")
+
+
+@pytest.mark.parametrize(("raw", "names", "empty"), [("lodash,,dayjs,", {"lodash", "dayjs"}, 2), (", ,", set(), 3)])
+def test_empty_comma_separated_items_of_the_package_list_are_ignored_and_counted(
+    raw: str, names: set[str], empty: int
+) -> None:
+    policy = PackagePolicy.parse(raw)
+    assert set(policy.entries) == names
+    assert policy.empty_items == empty
+
+
+def test_a_json_package_list_names_each_item_that_is_not_a_string() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PackagePolicy.parse('["lodash", 42]')
+    assert caught.value.message == "METAAGENT_NPM_ALLOWED_PACKAGES is a JSON array with an item that is not a string"
+    assert caught.value.problems[0].startswith("item 2: 42 is not a string")
 
 
 def test_broken_json_in_the_allow_list_refuses_start_up() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import ssl
 import threading
@@ -35,11 +36,19 @@ from metaagent.sandbox.engine import Engine
 from metaagent.sandbox.execute import Outcome, execute
 from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.network import NetworkLimits, SandboxNetwork, read_extra_ca_certs
+from metaagent.sandbox.tunnel import (
+    ACCEPTS_PER_TUNNEL,
+    BURST_S,
+    DEFAULT_TUNNEL_RATE,
+    MAX_REFUSALS,
+    TunnelStats,
+)
 from metaagent.tools.code_interpreter import container_spec
 from tests.conftest import _UpstreamHandler
 from tests.sandbox.conftest import Result, Service, audit_records, running_service
-from tests.sandbox.test_tunnel import holding_server, port_of
+from tests.sandbox.test_tunnel import closing_server, holding_server, port_of
 from tests.test_cli import serving
+from tests.test_metrics import samples
 
 MAX_TUNNEL_BYTES = 1024 * 1024
 NETWORK_SERVICE_HOSTS = '["127.0.0.1", "127.0.0.2", "*.sandbox.test"]'
@@ -357,6 +366,31 @@ def volume_names(client: docker.DockerClient, execution_id: str) -> list[str]:
 # --- the container of a network execution -------------------------------------------------------------
 
 
+def run_node_with_a_tunnel(
+    code: str, tmp_path: Path, limits: NetworkLimits | None = None
+) -> tuple[Outcome, TunnelStats]:
+    """`node -e code` in a sandbox container with a tunnel to 127.0.0.1, without the runner: what code
+    that got past the module gate could do with the socket. The tunnel server runs in this process."""
+
+    async def go() -> tuple[Outcome, TunnelStats]:
+        engine = Engine()
+        guard = EgressGuard(AllowList.of("127.0.0.1"), audit=AuditLog(tmp_path / "audit.jsonl"))
+        sandbox_network = SandboxNetwork(engine, guard, limits or NetworkLimits(max_tunnels=2, max_bytes=1 << 20))
+        execution = Execution(new_execution_id(), 10, 256)
+        network = sandbox_network.for_execution(execution.execution_id, AllowList.of("127.0.0.1"))
+        command = ["/usr/bin/node", "-e", code]
+        spec = container_spec(execution.execution_id, image_tag(), 256, 0.5, network.mounts, command)
+        try:
+            async with network:
+                outcome = await execute(engine, spec, b"", execution, timeout_s=10, grace_s=2, ready_marker=b"")
+            return outcome, network.stats
+        finally:
+            engine.close()
+
+    runner: Callable[[], Coroutine[Any, Any, tuple[Outcome, TunnelStats]]] = go
+    return anyio.run(runner)
+
+
 @pytest.mark.docker
 @pytest.mark.security
 def test_network_execution_reveals_no_host_path_outside_the_engine_data_root(
@@ -377,22 +411,7 @@ def test_network_execution_reveals_no_host_path_outside_the_engine_data_root(
         }});
     """
 
-    async def go() -> Outcome:
-        engine = Engine()
-        guard = EgressGuard(AllowList.of("127.0.0.1"), audit=AuditLog(tmp_path / "audit.jsonl"))
-        sandbox_network = SandboxNetwork(engine, guard, NetworkLimits(max_tunnels=2, max_bytes=1 << 20))
-        execution = Execution(new_execution_id(), 10, 256)
-        network = sandbox_network.for_execution(execution.execution_id, AllowList.of("127.0.0.1"))
-        command = ["/usr/bin/node", "-e", code]
-        spec = container_spec(execution.execution_id, image_tag(), 256, 0.5, network.mounts, command)
-        try:
-            async with network:
-                return await execute(engine, spec, b"", execution, timeout_s=10, grace_s=2, ready_marker=b"")
-        finally:
-            engine.close()
-
-    runner: Callable[[], Coroutine[Any, Any, Outcome]] = go
-    outcome = anyio.run(runner)
+    outcome, _stats = run_node_with_a_tunnel(code, tmp_path)
     assert outcome.exit_code == 0, outcome.stderr.text()
     report = json.loads(outcome.stdout.text())
     assert report["reply"] == "OK\n"  # uid 1001 reaches the socket through the read-only mount
@@ -410,6 +429,116 @@ def test_network_execution_reveals_no_host_path_outside_the_engine_data_root(
     text = outcome.stdout.text()
     for host_path in ("/work", "/root", str(tmp_path), "/var/cache/metaagent", "/tmp/"):
         assert host_path not in text
+
+
+# --- floods: an execution's tunnels cost the service a bounded share of its event loop ---------------------
+
+# The issue's flood: 64 loops, each opening a connection through the tunnel and closing it at once.
+FLOOD_S = 3
+RUNNER_FLOOD = """
+const http = require('http');
+let made = 0;
+const end = Date.now() + FLOOD_MS;
+function loop() {
+  if (Date.now() > end) return;
+  const req = http.get({ host: '127.0.0.1', port: PORT, path: '/', agent: false });
+  req.on('socket', () => { made++; req.destroy(); });
+  req.on('error', () => {});
+  req.on('close', () => setImmediate(loop));
+}
+for (let i = 0; i < 64; i++) loop();
+process.on('exit', () => console.log(made));
+"""
+# Without the runner, as code that got past the module gate would do it: raw connections to the socket.
+RAW_FLOOD = """
+const net = require('net');
+const replies = {};
+const end = Date.now() + FLOOD_MS;
+function loop() {
+  if (Date.now() > end) return;
+  const c = net.connect('/run/metaagent/egress.sock');
+  c.on('connect', () => c.write('127.0.0.1:PORT\\n'));
+  const count = (code) => { replies[code] = (replies[code] || 0) + 1; };
+  c.on('data', (d) => { count(String(d).split(' ', 2).join(' ').trim()); c.destroy(); });
+  c.on('error', (e) => count(e.code));
+  c.on('close', () => setImmediate(loop));
+}
+for (let i = 0; i < 64; i++) loop();
+setTimeout(() => { console.log(JSON.stringify(replies)); process.exit(0); }, FLOOD_MS + 300);
+"""
+# Generous: the flood measured 0.85 of a core before the budgets, about 0.07 with them.
+MAX_CPU_PER_WALL_S = 0.35
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def flood_code(template: str, port: int) -> str:
+    return template.replace("FLOOD_MS", str(FLOOD_S * 1000)).replace("PORT", str(port))
+
+
+@pytest.mark.docker
+@pytest.mark.security
+def test_a_flood_of_tunnels_is_held_to_the_execution_rate_and_a_bounded_share_of_the_service_cpu(
+    run_net: RunNet, network_service: Service
+) -> None:
+    metrics_before = samples(network_service.get("/metrics").text)
+    with closing_server() as port:
+        cpu_before, started = cpu_seconds(network_service.pid), time.monotonic()
+        result = run_net(flood_code(RUNNER_FLOOD, port), ["127.0.0.1"], timeout_s=FLOOD_S + 7)
+        cpu_used, wall_s = cpu_seconds(network_service.pid) - cpu_before, time.monotonic() - started
+    metrics_after = samples(network_service.get("/metrics").text)
+    assert result.exit_code == 0, result.body
+    tunnels = finished_record(network_service, result)["network"]["tunnels"]
+    rate = DEFAULT_TUNNEL_RATE
+    # The token bucket's bound over the request's wall time: its burst, the connections that may wait
+    # for a token, and the rate. Before the budgets, this flood opened over 1,800 tunnels a second.
+    assert tunnels["accepted"] <= rate * BURST_S + 8 + rate * wall_s, (tunnels, wall_s)
+    assert tunnels["accepted"] >= rate * BURST_S  # and it was a flood: at least the burst went through
+    assert tunnels["opened"] == int(result.stdout)  # every connection the program saw was a tunnel
+    assert tunnels["rate_refused"] == 0  # the runner keeps its connections within what may wait: slowed, not refused
+    assert cpu_used / wall_s <= MAX_CPU_PER_WALL_S, (cpu_used, wall_s)
+
+    def delta(name: str, label: tuple[str, str]) -> float:
+        key = (name, (label,))
+        return metrics_after.get(key, 0.0) - metrics_before.get(key, 0.0)
+
+    assert delta("metaagent_tunnel_operations_total", ("phase", "accept")) == tunnels["accepted"]
+    assert delta("metaagent_tunnel_operations_total", ("phase", "check")) == tunnels["accepted"]
+    assert delta("metaagent_tunnel_waits_total", ("phase", "check")) > 0  # the rate held it back
+    assert delta("metaagent_tunnel_execution_operations_count", ("phase", "accept")) == 1
+
+
+@pytest.mark.docker
+@pytest.mark.security
+def test_a_raw_socket_flood_past_the_runner_is_held_to_the_accept_budget_and_refused_past_the_rate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    limits = NetworkLimits(max_tunnels=8, max_bytes=1 << 20)
+    with closing_server() as port:
+        cpu_before, started = sum(os.times()[:2]), time.monotonic()
+        outcome, stats = run_node_with_a_tunnel(flood_code(RAW_FLOOD, port), tmp_path, limits)
+        cpu_used, wall_s = sum(os.times()[:2]) - cpu_before, time.monotonic() - started
+    assert outcome.exit_code == 0, outcome.stderr.text()
+    replies = json.loads(outcome.stdout.text())
+    accepts = DEFAULT_TUNNEL_RATE * ACCEPTS_PER_TUNNEL
+    assert stats.accepted <= accepts * BURST_S + accepts * wall_s, (stats.record(), wall_s)
+    assert stats.rate_refused > 0
+    assert replies["ERR ERR_METAAGENT_TUNNEL_RATE"] <= stats.rate_refused
+    assert replies.get("EAGAIN", 0) > 0  # the rest waited in, or bounced off, the kernel's backlog
+    # Every refusal is counted; at most MAX_REFUSALS have a line each, and one line sums up the rest.
+    assert stats.refused + stats.opened + stats.failed <= stats.accepted
+    lines = [r.getMessage() for r in caplog.records if r.name == "metaagent.tunnel"]
+    assert len(lines) <= MAX_REFUSALS + 1
+    assert lines[-1].endswith(
+        f"{stats.rate_refused} past the rate of 50 new tunnels per second, "
+        f"{stats.capped - MAX_REFUSALS} after its first 50 refusals"
+    )
+    assert cpu_used / wall_s <= MAX_CPU_PER_WALL_S, (cpu_used, wall_s)
 
 
 # --- the service's side, without containers ---------------------------------------------------------------

@@ -6,7 +6,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from metaagent.egress.guard import EgressGuard
 from metaagent.errors import Unavailable
 from metaagent.sandbox.network import NetworkLimits, SandboxNetwork
 from metaagent.sandbox.tunnel import MAX_REFUSALS, TunnelPolicy, TunnelRefused, TunnelStats, parse_target, serving
+from tests.test_metrics import samples
 
 pytestmark = pytest.mark.security
 
@@ -101,8 +102,49 @@ def holding_server() -> Iterator[tuple[int, threading.Event]]:
         listener.close()
 
 
+@contextmanager
+def closing_server() -> Iterator[int]:
+    """A TCP server on 127.0.0.1 that accepts every connection and closes it at once: the cheapest
+    upstream for a flood of tunnels."""
+    stop = threading.Event()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4096)
+    listener.settimeout(0.2)  # so that the thread sees `stop`; a closed socket does not wake accept()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(10)
+        listener.close()
+
+
 def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Waits (bounded) for the tunnel server, in this same event loop, to reach a state."""
+    with anyio.fail_after(10):
+        while not condition():  # noqa: ASYNC110 -- the server's counters set no event to wait on
+            await anyio.sleep(0.01)
+
+
+def tunnel_metrics() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client import REGISTRY, generate_latest
+
+    return samples(generate_latest(REGISTRY).decode())
 
 
 async def test_allowed_host_is_tunnelled_and_bytes_are_counted(tmp_path: Path, upstream: str) -> None:
@@ -270,6 +312,93 @@ async def test_a_flood_of_refused_hosts_is_capped_in_the_log_and_the_audit_trail
     security_lines = [r for r in caplog.records if "[SECURITY]" in r.getMessage()]
     assert len(blocked) == MAX_REFUSALS  # the rest were refused unheard
     assert len(security_lines) == MAX_REFUSALS
+
+
+async def test_new_tunnels_past_the_rate_wait_their_turn_and_past_that_are_refused_in_one_summed_up_line(
+    tmp_path: Path, upstream: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    before = tunnel_metrics()
+    # A rate of 0.1 per second holds one token; with two tunnels allowed, two connections may wait for theirs.
+    async with tunnel_server(tmp_path, max_tunnels=2, tunnel_rate=0.1) as (path, stats):
+        first, first_reply = await open_tunnel(path, f"127.0.0.1:{port_of(upstream)}")
+        waiting = [await anyio.connect_unix(path) for _ in range(2)]
+        await until(lambda: stats.checked == 3)
+        refused = [await open_tunnel(path, f"127.0.0.1:{port_of(upstream)}") for _ in range(5)]
+        for stream in [first, *waiting, *(s for s, _ in refused)]:
+            await stream.aclose()
+    assert first_reply == b"OK\n"
+    assert [reply for _, reply in refused] == [
+        b"ERR ERR_METAAGENT_TUNNEL_RATE too many new connections (at most 0.1 per second)\n"
+    ] * 5
+    assert (stats.accepted, stats.checked, stats.opened) == (8, 3, 1)
+    assert (stats.refused, stats.rate_refused) == (5, 5)
+    assert stats.refusals == []  # counted, not recorded one by one
+    assert stats.record()["rate_refused"] == 5
+    lines = [r.getMessage() for r in caplog.records if r.name == "metaagent.tunnel"]
+    assert lines == [
+        f"execution {EXECUTION}: 5 tunnel connections were refused without a line each: "
+        "5 past the rate of 0.1 new tunnels per second, 0 after its first 50 refusals"
+    ]
+    after = tunnel_metrics()
+    assert (
+        after[("metaagent_tunnel_refusals_total", (("reason", "rate"),))]
+        - before.get(("metaagent_tunnel_refusals_total", (("reason", "rate"),)), 0)
+        == 5
+    )
+
+
+async def test_failed_dns_lookups_are_refusals_that_are_logged_and_capped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    # A label longer than 63 characters fails in the resolver itself, at once and without a network.
+    names = [f"{'n' * 64}.{n}.sandbox.test" for n in range(MAX_REFUSALS + 5)]
+    async with tunnel_server(
+        tmp_path, allow=("*.sandbox.test",), service_allow=("*.sandbox.test",), tunnel_rate=1000
+    ) as (path, stats):
+        replies = []
+        for name in names:
+            stream, reply = await open_tunnel(path, f"{name}:443")
+            await stream.aclose()
+            replies.append(reply)
+    assert replies[0].startswith(f"ERR ENOTFOUND DNS lookup of {names[0]} failed".encode())
+    assert all(r.startswith(b"ERR ENOTFOUND ") for r in replies[:MAX_REFUSALS])
+    assert all(b"no more tunnels" in r for r in replies[MAX_REFUSALS:])
+    assert (stats.refused, stats.failed, stats.opened) == (MAX_REFUSALS + 5, 0, 0)
+    assert [r["code"] for r in stats.refusals] == ["ENOTFOUND"] * MAX_REFUSALS
+    lines = [r.getMessage() for r in caplog.records if r.name == "metaagent.tunnel"]
+    dns_lines = [line for line in lines if ": tunnel refused: DNS lookup of " in line]
+    assert len(dns_lines) == MAX_REFUSALS
+    assert lines[-1].endswith("0 past the rate of 1000 new tunnels per second, 5 after its first 50 refusals")
+
+
+async def test_the_work_of_an_executions_tunnels_is_counted_in_metrics_by_phase(tmp_path: Path, upstream: str) -> None:
+    def operations(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], phase: str) -> float:
+        return metrics.get(("metaagent_tunnel_operations_total", (("phase", phase),)), 0.0)
+
+    before = tunnel_metrics()
+    async with tunnel_server(tmp_path) as (path, stats):
+        for _ in range(3):
+            stream, _reply = await open_tunnel(path, f"127.0.0.1:{port_of(upstream)}")
+            async with stream:
+                await http_get(stream, "/bytes?n=1000")
+    after = tunnel_metrics()
+    assert (stats.accepted, stats.checked, stats.opened) == (3, 3, 3)
+    assert stats.relayed >= 6  # at least a request and an answer per tunnel
+    assert operations(after, "accept") - operations(before, "accept") == 3
+    assert operations(after, "check") - operations(before, "check") == 3
+    assert operations(after, "relay") - operations(before, "relay") == stats.relayed
+    moved = sum(
+        after[("metaagent_tunnel_bytes_total", (("direction", d),))]
+        - before.get(("metaagent_tunnel_bytes_total", (("direction", d),)), 0.0)
+        for d in ("to_upstream", "from_upstream")
+    )
+    assert moved == stats.bytes_total
+    count = ("metaagent_tunnel_execution_operations_count", (("phase", "check"),))
+    total = ("metaagent_tunnel_execution_operations_sum", (("phase", "check"),))
+    assert after[count] - before.get(count, 0.0) == 1  # one execution ended
+    assert after[total] - before.get(total, 0.0) == 3
 
 
 class EngineWithALongDataRoot:

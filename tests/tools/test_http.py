@@ -80,6 +80,41 @@ async def test_control_characters_in_a_blocked_url_cannot_forge_log_lines(
     assert "\\x0d\\x0a[SECURITY] all good\\u2028\\x00" in line
 
 
+@pytest.mark.parametrize(
+    ("url", "host", "reason"),
+    [
+        ("http://a..b/x", "a..b", "The host 'a..b' has an empty label"),
+        ("http://256.1.1.1/", "256.1.1.1", "Invalid IPv4 address '256.1.1.1': a part is out of range"),
+        ("http://[::1/", "[::1", "Unclosed IPv6 bracket in URL: 'http://[::1/'"),
+        ("http://%ff.com/", "%ff.com", "The host '%ff.com' is not valid UTF-8 after percent-decoding"),
+        ("http://exa mple.com/", "exa mple.com", "The host 'exa mple.com' contains characters a host cannot have"),
+    ],
+)
+async def test_a_malformed_host_is_blocked_with_the_seeds_message_and_the_reason_beside_it(
+    service: ServiceFactory, caplog: pytest.LogCaptureFixture, tmp_path: Path, url: str, host: str, reason: str
+) -> None:
+    async with service(allow_http_hosts='["api.openai.com"]') as client:
+        response = await client.post("/tools/http", json={"url": url})
+    assert response.status_code == 400
+    assert response.json() == {"error": f"Blocked host: {host}", "host": host, "reason": reason}
+    assert security_lines(caplog) == [f"[SECURITY] Blocked HTTP request to disallowed host: {host} (GET {url})"]
+    records = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert (records[-1]["event"], records[-1]["host"], records[-1]["reason"]) == ("egress.blocked", host, reason)
+
+
+async def test_a_malformed_host_cannot_forge_log_lines(
+    service: ServiceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with service(allow_http_hosts=LOCAL) as client:
+        response = await client.post("/tools/http", json={"url": "http://a\u2028[SECURITY] ok\x85b/"})
+    assert response.status_code == 400
+    assert response.json()["host"] == "a\u2028[SECURITY] ok\x85b"
+    (line,) = security_lines(caplog)
+    assert "\u2028" not in line
+    assert "\x85" not in line
+    assert line.startswith("[SECURITY] Blocked HTTP request to disallowed host: a\\u2028[SECURITY] ok\\x85b (GET ")
+
+
 async def test_userinfo_trick_is_judged_by_the_real_host(
     service: ServiceFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -94,6 +129,19 @@ async def test_redirect_to_a_blocked_host_returns_400(service: ServiceFactory, u
         response = await client.post("/tools/http", json={"url": f"{upstream}/redirect?to=http://evil.example/steal"})
     assert response.status_code == 400
     assert response.json()["error"] == "Blocked host: evil.example"
+
+
+async def test_redirect_to_a_malformed_host_is_blocked_with_the_seeds_message(
+    service: ServiceFactory, upstream: str
+) -> None:
+    async with service(allow_http_hosts=LOCAL) as client:
+        response = await client.post("/tools/http", json={"url": f"{upstream}/redirect?to=http://a..b/steal"})
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": "Blocked host: a..b",
+        "host": "a..b",
+        "reason": "The host 'a..b' has an empty label",
+    }
 
 
 async def test_redirect_within_the_allow_list_is_followed(service: ServiceFactory, upstream: str) -> None:
@@ -225,6 +273,32 @@ async def test_empty_allow_list_blocks_every_request(
             response = await client.post("/tools/http", json={"url": f"{upstream}/hello"})
     assert response.status_code == 400
     assert any("every outbound request is blocked" in r.getMessage() for r in caplog.records)
+
+
+async def test_empty_items_in_comma_separated_lists_are_ignored_with_one_warning_line_each(
+    service: ServiceFactory, upstream: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        async with service(allow_http_hosts="127.0.0.1,, ", npm_allowed_packages="lodash,") as client:
+            response = await client.post("/tools/http", json={"url": f"{upstream}/hello"})
+    assert response.status_code == 200
+    lines = [r.getMessage() for r in caplog.records if "empty item" in r.getMessage()]
+    assert lines == [
+        "ALLOW_HTTP_HOSTS has 2 empty items (stray or trailing commas); ignored",
+        "METAAGENT_NPM_ALLOWED_PACKAGES has 1 empty item (stray or trailing commas); ignored",
+    ]
+
+
+async def test_a_list_of_only_empty_items_blocks_every_request_as_an_empty_one_does(
+    service: ServiceFactory, upstream: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        async with service(allow_http_hosts=" , ,") as client:
+            response = await client.post("/tools/http", json={"url": f"{upstream}/hello"})
+    assert response.status_code == 400
+    messages = [r.getMessage() for r in caplog.records]
+    assert "ALLOW_HTTP_HOSTS has 3 empty items (stray or trailing commas); ignored" in messages
+    assert any("every outbound request is blocked" in m for m in messages)
 
 
 async def test_host_header_from_the_caller_is_refused(service: ServiceFactory, upstream: str) -> None:

@@ -57,7 +57,7 @@ def normalize_pattern(entry: str) -> str:
     """Validates one allow-list entry and returns its normal form, or raises PatternError."""
     text = entry.strip()
     if not text:
-        raise PatternError(entry, "empty entry (a stray comma?)", "remove it")
+        raise PatternError(entry, "empty entry", "remove it")
     lowered = text.lower()
     if "://" in lowered or re.match(r"^https?:", lowered):
         host = re.sub(r"^[a-z][a-z0-9+.-]*:/*", "", lowered).split("/")[0]
@@ -128,31 +128,81 @@ def _to_ascii(entry: str, host: str) -> str:
         raise PatternError(entry, f"not a valid international domain name ({exc})", "check the spelling") from None
 
 
-def split_entries(raw: str, setting: str) -> list[str]:
-    """Reads a list setting: a JSON array of strings (preferred) or comma-separated text (fallback)."""
+@dataclass(frozen=True)
+class Entries:
+    """A list setting as read: each item with its position (1-based, as written), and how many empty
+    items (stray or trailing commas in comma-separated text) were dropped."""
+
+    items: tuple[tuple[int, str], ...]
+    empty_items: int = 0
+
+    @property
+    def texts(self) -> list[str]:
+        return [text for _position, text in self.items]
+
+
+def empty_items_warning(setting: str, count: int) -> str:
+    """The one warning line for empty items that were ignored."""
+    noun = "item" if count == 1 else "items"
+    return f"{setting} has {count} empty {noun} (stray or trailing commas); ignored"
+
+
+def split_entries(raw: str, setting: str) -> Entries:
+    """Reads a list setting: a JSON array of strings (preferred) or comma-separated text (fallback).
+
+    ConfigError names each bad item of a JSON array by position and value, and says where JSON could
+    not read a value that looks like an array but is not one.
+    """
     text = raw.strip()
     if not text:
-        return []
+        return Entries(())
+    json_error: json.JSONDecodeError | None = None
     if text.startswith("["):
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
-            pass
+        except json.JSONDecodeError as exc:
+            json_error = exc
         else:
-            if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-                raise ConfigError(f"{setting} is JSON but not an array of strings", [f"write it like {_EXAMPLE}"])
-            return value
-    entries = text.split(",")
-    if any(_JSON_DEBRIS.search(entry) for entry in entries):
-        raise ConfigError(
-            f"{setting} looks like a JSON array but is not valid JSON",
-            [
-                "check for trailing commas, missing quotes or single quotes "
-                f"(JSON needs double quotes): write it like {_EXAMPLE}, "
-                "or as plain comma-separated text: api.openai.com,*.example.com"
-            ],
-        )
-    return entries
+            return _json_items(value, setting)
+    parts = text.split(",")
+    items = tuple((position, part.strip()) for position, part in enumerate(parts, 1) if part.strip())
+    if any(_JSON_DEBRIS.search(part) for _position, part in items):
+        problems = _json_problems(text, items, json_error)
+        raise ConfigError(f"{setting} looks like a JSON array but is not valid JSON", problems)
+    return Entries(items, empty_items=len(parts) - len(items))
+
+
+def _json_items(value: object, setting: str) -> Entries:
+    if not isinstance(value, list):  # a JSON text that starts with "[" is an array; kept for the type checker
+        raise ConfigError(f"{setting} is JSON but not an array", [f"write it like {_EXAMPLE}"])
+    problems = [
+        f'item {position}: {_shown_json(item)} is not a string; write it in double quotes, like "api.example.com"'
+        for position, item in enumerate(value, 1)
+        if not isinstance(item, str)
+    ]
+    if problems:
+        what = "an item that is not a string" if len(problems) == 1 else f"{len(problems)} items that are not strings"
+        raise ConfigError(f"{setting} is a JSON array with {what}", problems)
+    return Entries(tuple(enumerate(value, 1)))
+
+
+def _shown_json(item: object) -> str:
+    text = json.dumps(item)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _json_problems(text: str, items: tuple[tuple[int, str], ...], error: json.JSONDecodeError | None) -> list[str]:
+    hint = (
+        "check for trailing commas, missing quotes or single quotes "
+        f"(JSON needs double quotes): write it like {_EXAMPLE}, "
+        "or as plain comma-separated text: api.openai.com,*.example.com"
+    )
+    if error is not None:
+        near = text[max(0, error.pos - 20) : error.pos + 20]
+        where = f"JSON could not read it at character {error.pos + 1} ({error.msg}), near {near!r}"
+        return [where, hint]
+    bad = [f"item {n}: {part!r} has brackets or quotes" for n, part in items if _JSON_DEBRIS.search(part)]
+    return [*bad, hint]
 
 
 @dataclass(frozen=True)
@@ -165,8 +215,9 @@ class Match:
 class AllowList:
     """A validated, normalised allow-list. Build it with `AllowList.parse` or `AllowList.of`."""
 
-    def __init__(self, patterns: Iterable[str]) -> None:
+    def __init__(self, patterns: Iterable[str], *, empty_items: int = 0) -> None:
         normal = [normalize_pattern(p) for p in patterns]
+        self.empty_items = empty_items  # ignored empty items of the setting, for the start-up warning
         self.patterns: tuple[str, ...] = tuple(dict.fromkeys(normal))
         self._exact = frozenset(p for p in self.patterns if not p.startswith("*."))
         self._wildcard_bases = frozenset(p[2:] for p in self.patterns if p.startswith("*."))
@@ -178,17 +229,17 @@ class AllowList:
 
     @classmethod
     def parse(cls, raw: str | None, setting: str = "ALLOW_HTTP_HOSTS") -> AllowList:
-        """Parses and validates the setting; raises ConfigError naming every bad entry."""
+        """Parses and validates the setting; raises ConfigError naming every bad entry by position."""
         entries = split_entries(raw or "", setting)
         problems = []
-        for entry in entries:
+        for position, entry in entries.items:
             try:
                 normalize_pattern(entry)
             except PatternError as exc:
-                problems.append(f"{exc.entry!r}: {exc.reason}; {exc.fix}")
+                problems.append(f"item {position}: {exc.entry!r}: {exc.reason}; {exc.fix}")
         if problems:
             raise ConfigError.malformed_entries(setting, problems)
-        return cls(entries)
+        return cls(entries.texts, empty_items=entries.empty_items)
 
     def __bool__(self) -> bool:
         return bool(self.patterns)

@@ -2,10 +2,12 @@
 
 Two checks, in this order, for every request and every redirect hop:
 
-1. `check_url`: the URL is http(s) and its host (read as `egress.url` reads it) is on the allow-list.
+1. `check_url`: the URL is http(s) and its host (read as `egress.url` reads it) is on the allow-list. A
+   host that cannot be read is blocked the same way (`Blocked host: <host>`, the reason in `reason`).
 2. At connect time, inside the HTTP client's network backend: the guard resolves the host itself and
-   refuses loopback, private, link-local, multicast, reserved and unspecified addresses (IPv4-mapped
-   and other embedded IPv4 forms included), unless the address is itself an exact allow-list entry or
+   refuses every address the IANA special-purpose registries do not mark globally reachable
+   (`egress.addresses`: loopback, private-use, link-local, documentation, IPv4-mapped, 6to4, the NAT64
+   form of any of these, multicast, ...), unless the address is itself an exact allow-list entry or
    private networks are allowed. It then connects to the very address it checked, so a DNS answer that
    changes between check and use (rebinding) changes nothing. TLS still verifies the host name, and the
    Host header is the URL's, because the HTTP client never learns that the address was pinned.
@@ -30,14 +32,14 @@ from httpcore2._backends.anyio import AnyIOBackend
 
 from metaagent import metrics
 from metaagent.audit import AuditLog
+from metaagent.egress.addresses import refusal
 from metaagent.egress.allowlist import AllowList, canonical_ip
-from metaagent.egress.url import SchemeRefused, Target, parse_url
+from metaagent.egress.url import InvalidHost, SchemeRefused, Target, parse_url
 from metaagent.errors import EgressRefused, HostBlocked, UpstreamError, UpstreamTimeout
 
 security_log = logging.getLogger("metaagent.security")
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
 def escape_for_log(text: str) -> str:
@@ -57,22 +59,10 @@ def escape_for_log(text: str) -> str:
 
 
 def address_class(address: IPAddress) -> str | None:
-    """Why an address is off-limits by default ("loopback", "private", ...), or None if it is public."""
-    embedded: IPAddress | None = None
-    if isinstance(address, ipaddress.IPv6Address):
-        embedded = address.ipv4_mapped or address.sixtofour
-        if address.teredo:
-            embedded = address.teredo[1]
-        if address in _NAT64:
-            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-    if embedded is not None:
-        return address_class(embedded)
-    for name in ("unspecified", "loopback", "link_local", "multicast", "private", "reserved"):
-        if getattr(address, f"is_{name}"):
-            return name.replace("_", "-")
-    if not address.is_global:
-        return "not globally routable"
-    return None
+    """Why an address is off-limits by default ("loopback", "private-use", ...), or None if it is globally
+    reachable: by the IANA special-purpose registries' table in `egress.addresses`."""
+    found = refusal(address)
+    return None if found is None else found.kind
 
 
 class EgressGuard:
@@ -94,6 +84,16 @@ class EgressGuard:
         shown = f"({method} {escape_for_log(url)})"
         try:
             target = parse_url(url)
+        except InvalidHost as exc:  # a host that cannot be read is blocked as one not on the list
+            self._refuse(
+                f"Blocked HTTP request to disallowed host: {escape_for_log(exc.host)} {shown}",
+                tool,
+                host=exc.host,
+                url=url,
+                method=method,
+                reason=exc.message,
+            )
+            raise HostBlocked(exc.host, reason=exc.message) from None
         except SchemeRefused as exc:
             self._refuse(
                 f"Blocked HTTP request with disallowed scheme: {exc.scheme} {shown}",
@@ -159,21 +159,23 @@ class EgressGuard:
         addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
         for text in addresses:
             address = ipaddress.ip_address(text.split("%", 1)[0])
-            kind = address_class(address)
-            if kind and not self.allow_private_networks and not self.allowlist.match(str(address)).allowed:
+            found = refusal(address)
+            if found and not self.allow_private_networks and not self.allowlist.match(str(address)).allowed:
                 self._refuse(
-                    f"Blocked HTTP request to {kind} address: {escape_for_log(host)} resolves to {address}",
+                    f"Blocked HTTP request to {found.kind} address: {escape_for_log(host)} resolves to {address}",
                     tool,
                     host=host,
                     port=port,
                     address=str(address),
-                    reason=kind,
+                    reason=found.kind,
                     **context,
                 )
                 raise EgressRefused(
-                    f"{host} resolves to {address}, a {kind} address, which the egress policy forbids; "
+                    f"{host} resolves to {address}: {found.describe()}, which the egress policy forbids; "
                     "list that exact address in ALLOW_HTTP_HOSTS or set METAAGENT_ALLOW_PRIVATE_NETWORKS=true",
                     host=host,
+                    address=str(address),
+                    address_class=found.kind,
                 )
         return addresses
 

@@ -21,6 +21,7 @@ from metaagent.errors import EgressRefused
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):(.*)$", re.DOTALL)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+MAX_SHOWN_HOST = 300  # characters of a malformed host echoed in an error
 # The WHATWG "forbidden domain code points", after percent-decoding.
 _FORBIDDEN = frozenset(" #%/:<>?@[\\]^|\x7f") | frozenset(chr(c) for c in range(0x20))
 
@@ -44,6 +45,14 @@ class Target:
 
 class InvalidURL(EgressRefused):
     pass
+
+
+class InvalidHost(InvalidURL):
+    """The URL's host cannot be read; `host` is its text as written, the message says why."""
+
+    def __init__(self, host: str, message: str) -> None:
+        super().__init__(message)
+        self.host = host[:MAX_SHOWN_HOST]
 
 
 class SchemeRefused(EgressRefused):
@@ -80,10 +89,10 @@ def _split_port(hostport: str, raw: str) -> tuple[str, int | None]:
     if hostport.startswith("["):
         close = hostport.find("]")
         if close < 0:
-            raise InvalidURL(f"Unclosed IPv6 bracket in URL: {raw[:200]!r}")
+            raise InvalidHost(hostport, f"Unclosed IPv6 bracket in URL: {raw[:200]!r}")
         host, after = hostport[: close + 1], hostport[close + 1 :]
         if after and not after.startswith(":"):
-            raise InvalidURL(f"Unexpected text after the IPv6 address in URL: {raw[:200]!r}")
+            raise InvalidHost(hostport, f"Unexpected text after the IPv6 address in URL: {raw[:200]!r}")
         port_text = after[1:]
     else:
         host, _, port_text = hostport.partition(":")
@@ -95,35 +104,36 @@ def _split_port(hostport: str, raw: str) -> tuple[str, int | None]:
 
 
 def parse_host(text: str, raw: str = "") -> str:
-    """A URL host as the WHATWG host parser reads it, in the allow-list's normal form."""
+    """A URL host as the WHATWG host parser reads it, in the allow-list's normal form; InvalidHost (or
+    InvalidURL, for no host at all) when it cannot be read."""
     if not text:
         raise InvalidURL(f"The URL has no host: {raw[:200]!r}")
     if text.startswith("["):
         try:
             return str(ipaddress.IPv6Address(text[1:-1]))
         except ValueError:
-            raise InvalidURL(f"Invalid IPv6 address {text!r} in URL") from None
+            raise InvalidHost(text, f"Invalid IPv6 address {text[:100]!r} in URL") from None
     try:
         decoded = unquote_to_bytes(text).decode("utf-8")
     except UnicodeDecodeError:
-        raise InvalidURL(f"The host of {raw[:200]!r} is not valid UTF-8 after percent-decoding") from None
+        raise InvalidHost(text, f"The host {text[:100]!r} is not valid UTF-8 after percent-decoding") from None
     if decoded.isascii():
         ascii_host = decoded.lower()
     else:
         try:
             ascii_host = idna.encode(idna.uts46_remap(decoded, std3_rules=False, transitional=False)).decode()
         except idna.IDNAError as exc:
-            raise InvalidURL(f"Invalid international host name in URL ({exc})") from None
+            raise InvalidHost(text, f"Invalid international host name in URL ({exc})") from None
     if any(ch in _FORBIDDEN for ch in ascii_host):
-        raise InvalidURL(f"The host {decoded[:100]!r} contains characters a host cannot have")
+        raise InvalidHost(text, f"The host {decoded[:100]!r} contains characters a host cannot have")
     labels = ascii_host.split(".")
     if len(labels) > 1 and labels[-1] == "":
         labels.pop()
     if _ends_in_number(labels[-1]):
-        return _parse_ipv4(labels, raw)
+        return _parse_ipv4(labels, text)
     host = ".".join(labels)
     if not host or "" in labels:
-        raise InvalidURL(f"The host {decoded[:100]!r} has an empty label")
+        raise InvalidHost(text, f"The host {decoded[:100]!r} has an empty label")
     return host
 
 
@@ -133,19 +143,19 @@ def _ends_in_number(label: str) -> bool:
     return label[:2] in ("0x", "0X") and all(c in "0123456789abcdefABCDEF" for c in label[2:])
 
 
-def _parse_ipv4(labels: list[str], raw: str) -> str:
+def _parse_ipv4(labels: list[str], host: str) -> str:
     if len(labels) > 4:
-        raise InvalidURL(f"Invalid IPv4 address in URL {raw[:200]!r}")
-    numbers = [_ipv4_number(label, raw) for label in labels]
+        raise InvalidHost(host, f"Invalid IPv4 address {host[:100]!r}: more than four parts")
+    numbers = [_ipv4_number(label, host) for label in labels]
     if any(n > 255 for n in numbers[:-1]) or numbers[-1] >= 256 ** (5 - len(numbers)):
-        raise InvalidURL(f"Invalid IPv4 address in URL {raw[:200]!r}: a part is out of range")
+        raise InvalidHost(host, f"Invalid IPv4 address {host[:100]!r}: a part is out of range")
     value = numbers[-1]
     for index, number in enumerate(numbers[:-1]):
         value += number * 256 ** (3 - index)
     return str(ipaddress.IPv4Address(value))
 
 
-def _ipv4_number(label: str, raw: str) -> int:
+def _ipv4_number(label: str, host: str) -> int:
     try:
         if label[:2] in ("0x", "0X"):
             return int(label[2:] or "0", 16)
@@ -153,4 +163,4 @@ def _ipv4_number(label: str, raw: str) -> int:
             return int(label[1:], 8)
         return int(label, 10)
     except ValueError:
-        raise InvalidURL(f"Invalid IPv4 address in URL {raw[:200]!r}") from None
+        raise InvalidHost(host, f"Invalid IPv4 address {host[:100]!r}: {label[:20]!r} is not a number") from None

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from metaagent.egress.allowlist import split_entries
+from metaagent.egress.allowlist import Entries, split_entries
 from metaagent.errors import ConfigError, PackageRefused
 
 SETTING = "METAAGENT_NPM_ALLOWED_PACKAGES"
@@ -272,8 +272,9 @@ def combine(requested: str | None, allowed: str | None) -> str:
 class PackagePolicy:
     """The validated allow-list. Build it with `PackagePolicy.parse` (start-up) or directly (tests)."""
 
-    def __init__(self, entries: Iterable[PackageSpec]) -> None:
+    def __init__(self, entries: Iterable[PackageSpec], *, empty_items: int = 0) -> None:
         listed = list(entries)
+        self.empty_items = empty_items  # ignored empty items of the setting, for the start-up warning
         self.blocked_entries: tuple[str, ...] = tuple(str(e) for e in listed if blocked_reason(e.name))
         self.entries: Mapping[str, str | None] = MappingProxyType(
             {e.name: e.version for e in listed if not blocked_reason(e.name)}
@@ -281,27 +282,29 @@ class PackagePolicy:
 
     @classmethod
     def parse(cls, raw: str | None) -> PackagePolicy:
-        """The setting's value (None: the default list); ConfigError names every bad entry."""
-        texts = list(DEFAULT_ALLOWED_PACKAGES) if raw is None else split_entries(raw, SETTING)
+        """The setting's value (None: the default list); ConfigError names every bad entry by position."""
+        listed = Entries(tuple(enumerate(DEFAULT_ALLOWED_PACKAGES, 1))) if raw is None else split_entries(raw, SETTING)
         problems: list[str] = []
         entries: list[PackageSpec] = []
         seen: dict[str, str | None] = {}
-        for text in (t.strip() for t in texts):
+        for position, text in ((p, t.strip()) for p, t in listed.items):
             try:
                 entry = parse_spec(text)
             except SpecRefused as exc:
                 if exc.rule == "blocked":  # kept, so that start-up can warn; blocked always wins
                     entries.append(PackageSpec(*_split(text)))
                     continue
-                problems.append(str(exc))
+                problems.append(f"item {position}: {exc}")
                 continue
             if entry.name in seen and seen[entry.name] != entry.version:
-                problems.append(f"{entry.name!r} is listed twice with different versions; keep one entry")
+                problems.append(
+                    f"item {position}: {entry.name!r} is listed twice with different versions; keep one entry"
+                )
             seen[entry.name] = entry.version
             entries.append(entry)
         if problems:
             raise ConfigError.malformed_entries(SETTING, problems)
-        return cls(entries)
+        return cls(entries, empty_items=listed.empty_items)
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -34,7 +34,7 @@ from metaagent.egress.guard import EgressGuard
 from metaagent.errors import ConfigError, RequestRefused, Unavailable
 from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, Engine, EngineUnavailable, Mount
 from metaagent.sandbox.execute import RunnerEgress
-from metaagent.sandbox.tunnel import TunnelPolicy, TunnelStats, serving
+from metaagent.sandbox.tunnel import DEFAULT_TUNNEL_RATE, TunnelPolicy, TunnelStats, serving
 
 log = logging.getLogger("metaagent.network")
 
@@ -84,6 +84,7 @@ class NetworkLimits:
     max_tunnels: int
     max_bytes: int
     connect_timeout_s: float = 10.0
+    tunnel_rate: float = DEFAULT_TUNNEL_RATE  # new tunnels per second per execution
 
 
 class SandboxNetwork:
@@ -161,6 +162,7 @@ class ExecutionNetwork:
                 max_tunnels=self.network.limits.max_tunnels,
                 max_bytes=self.network.limits.max_bytes,
                 connect_timeout_s=self.network.limits.connect_timeout_s,
+                tunnel_rate=self.network.limits.tunnel_rate,
             )
             self.stats = await self._stack.enter_async_context(serving(socket_path, policy))
         except BaseException:

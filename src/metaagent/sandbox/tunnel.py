@@ -17,10 +17,26 @@ writes an `egress.blocked` audit record), the guard resolves the name itself, ap
 policy and connects to the address it checked. TLS is not terminated here: the sandbox speaks TLS end to
 end and verifies the server itself.
 
-Limits per execution: concurrent tunnels (a connection counts from accept, so idle connections count
-too; as many again may wait a few seconds for a free slot, the rest are refused) and the bytes moved in
-both directions together (past that limit every tunnel is cut and new ones are refused). Leaving
-`serving()` closes every tunnel.
+Limits per execution:
+
+- concurrent tunnels (a connection counts from accept, so idle connections count too; as many again may
+  wait a few seconds for a free slot, the rest are refused);
+- the bytes moved in both directions together (past that limit every tunnel is cut and new ones are
+  refused);
+- the service's work, in three token buckets (`budget.py`), so that one execution cannot take the
+  event loop from the others:
+  - check: new tunnels per second (`tunnel_rate`, bursts of twice that). A connection past the rate
+    waits for its turn if no more than `max_tunnels` already do (the runner never has more in flight,
+    so ordinary code is slowed, not refused); past that it is refused with `ERR_METAAGENT_TUNNEL_RATE`,
+    unread, counted, and summed up in one log line when the execution ends;
+  - accept: connections accepted per second, four times the tunnel rate (at least 20). Past it the service stops
+    calling accept(): further connections wait in the socket's small backlog, in the kernel, or fail
+    in the sandbox (EAGAIN) at the sandbox's own cost;
+  - relay: chunks relayed per second, all tunnels and both directions together. Past it the pumps
+    wait; data piles up in the socket buffers, so the next chunk is larger and throughput stays high.
+
+Refusals by policy (host, address, a failed DNS lookup, a limit) are logged and recorded up to
+`MAX_REFUSALS`; past that every tunnel is refused unheard. Leaving `serving()` closes every tunnel.
 """
 
 from __future__ import annotations
@@ -37,10 +53,12 @@ import anyio
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from metaagent import metrics
 from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard, escape_for_log
 from metaagent.egress.url import parse_host
 from metaagent.errors import EgressRefused, HostBlocked, UpstreamError, UpstreamTimeout, sole_error
+from metaagent.sandbox.budget import TokenBucket
 
 log = logging.getLogger("metaagent.tunnel")
 
@@ -52,9 +70,16 @@ CHUNK = 64 * 1024
 # record, so past this every request is refused unheard (and only counted). The execution's own audit
 # record lists the refusals that were heard.
 MAX_REFUSALS = 50
+DEFAULT_TUNNEL_RATE = 50.0  # new tunnels per second per execution
+BURST_S = 2.0  # each bucket holds this many seconds of its rate
+ACCEPTS_PER_TUNNEL = 4  # the accept budget: room for refusals, still bounded
+MIN_ACCEPTS_PER_S = 20.0  # so that a low tunnel rate still refuses at once rather than leave connections hanging
+RELAY_CHUNKS_PER_S = 2000.0  # up to 64 KiB each: ample for one sandbox at 0.5 CPU
+BACKLOG_PER_TUNNEL = 2  # connections the kernel holds for the socket while accept() waits
 
 HOST_BLOCKED = "ERR_METAAGENT_HOST_BLOCKED"
 TUNNEL_LIMIT = "ERR_METAAGENT_TUNNEL_LIMIT"
+TUNNEL_RATE = "ERR_METAAGENT_TUNNEL_RATE"
 BAD_REQUEST = "ERR_METAAGENT_BAD_TUNNEL_REQUEST"
 
 _TARGET = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s\[\]:/@\\]+):(?P<port>[0-9]{1,5})$")
@@ -69,14 +94,19 @@ class TunnelPolicy:
     max_bytes: int
     connect_timeout_s: float = 10.0
     slot_wait_s: float = 5.0
+    tunnel_rate: float = DEFAULT_TUNNEL_RATE
 
 
 @dataclass
 class TunnelStats:
     """What an execution's tunnels did, for its audit record."""
 
+    accepted: int = 0  # connections the service accepted
+    checked: int = 0  # tunnel requests read and decided
+    relayed: int = 0  # chunks relayed, both directions
     opened: int = 0
-    refused: int = 0  # by policy: host, address or limit
+    refused: int = 0  # by policy (host, address, DNS, a limit) and past the rate
+    rate_refused: int = 0  # of which past the rate: never logged one by one
     failed: int = 0  # allowed, but the upstream could not be reached
     bytes_to_upstream: int = 0
     bytes_from_upstream: int = 0
@@ -87,6 +117,11 @@ class TunnelStats:
     def bytes_total(self) -> int:
         return self.bytes_to_upstream + self.bytes_from_upstream
 
+    @property
+    def capped(self) -> int:
+        """Refusals that count against MAX_REFUSALS (all but those past the rate)."""
+        return self.refused - self.rate_refused
+
     def refuse(self, host: str | None, port: int | None, code: str, message: str) -> None:
         self.refused += 1
         if len(self.refusals) < MAX_REFUSALS:
@@ -94,8 +129,10 @@ class TunnelStats:
 
     def record(self) -> dict[str, Any]:
         return {
+            "accepted": self.accepted,
             "opened": self.opened,
             "refused": self.refused,
+            "rate_refused": self.rate_refused,
             "failed": self.failed,
             "bytes_to_upstream": self.bytes_to_upstream,
             "bytes_from_upstream": self.bytes_from_upstream,
@@ -105,12 +142,13 @@ class TunnelStats:
 
 
 class TunnelRefused(Exception):
-    """Ends one tunnel request with `ERR <code> <message>`."""
+    """Ends one tunnel request with `ERR <code> <message>`; `reason` labels it in /metrics."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, reason: str = "request") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason
 
 
 def parse_target(line: bytes) -> tuple[str, int]:
@@ -148,17 +186,29 @@ class _Tunnels:
         self.slots = anyio.Semaphore(policy.max_tunnels)
         self.waiting = 0
         self.scopes: set[anyio.CancelScope] = set()
+        rate = policy.tunnel_rate
+        self.checks = TokenBucket(rate, max(1.0, rate * BURST_S))
+        accept_rate = max(MIN_ACCEPTS_PER_S, rate * ACCEPTS_PER_TUNNEL)
+        self.accepts = TokenBucket(accept_rate, accept_rate * BURST_S)
+        self.relays = TokenBucket(RELAY_CHUNKS_PER_S, RELAY_CHUNKS_PER_S * BURST_S)
+
+    async def accept_all(self, listener: anyio.abc.SocketListener, group: anyio.abc.TaskGroup) -> None:
+        """Accepts connections within the accept budget, each served by a task of its own."""
+        while True:
+            waited = await self.accepts.take()
+            client = await listener.accept()
+            self.stats.accepted += 1
+            metrics.tunnel_operation("accept", waited)
+            group.start_soon(self.handle, client)
 
     async def handle(self, client: anyio.abc.SocketStream) -> None:
         # The top of a connection's task: nothing may escape into the server's task group, which would
         # end every tunnel of the execution.
         try:
             async with client:
-                if not await self._take_slot():
-                    limit = TunnelRefused(
-                        TUNNEL_LIMIT, f"too many connections at once (at most {self.policy.max_tunnels})"
-                    )
-                    await self._reply_refused(client, None, None, limit)
+                refusal = await self._admit()
+                if refusal is not None:
+                    await self._reply_refused(client, None, None, refusal)
                     return
                 try:
                     await self._tunnel(client)
@@ -168,6 +218,24 @@ class _Tunnels:
             pass  # the sandbox went away mid-answer
         except Exception:
             log.exception("tunnel of execution %s failed", self.policy.execution_id)
+
+    async def _admit(self) -> TunnelRefused | None:
+        """Waits for the connection's turn under the tunnel rate, then for a slot; a refusal, or None
+        with a slot taken."""
+        delay = self.checks.reserve(max_debt=self.policy.max_tunnels)
+        if delay is None:
+            return TunnelRefused(
+                TUNNEL_RATE, f"too many new connections (at most {self.policy.tunnel_rate:g} per second)", "rate"
+            )
+        self.stats.checked += 1
+        metrics.tunnel_operation("check", waited=delay > 0)
+        if delay > 0:
+            await anyio.sleep(delay)
+        if not await self._take_slot():
+            return TunnelRefused(
+                TUNNEL_LIMIT, f"too many connections at once (at most {self.policy.max_tunnels})", "limit"
+            )
+        return None
 
     async def _take_slot(self) -> bool:
         """Waits a little for a free slot: the sandbox may reconnect before this side has seen its last
@@ -194,17 +262,19 @@ class _Tunnels:
             except (anyio.DelimiterNotFound, anyio.IncompleteRead, TimeoutError):
                 raise TunnelRefused(BAD_REQUEST, "no host:port line") from None
             host, port = parse_target(line)
-            if self.stats.refused >= MAX_REFUSALS:
+            if self.stats.capped >= MAX_REFUSALS:
                 raise TunnelRefused(
-                    TUNNEL_LIMIT, f"{MAX_REFUSALS} connections of this execution were refused; no more tunnels"
+                    TUNNEL_LIMIT, f"{MAX_REFUSALS} connections of this execution were refused; no more tunnels", "limit"
                 )
             if self.stats.byte_limit_reached:
-                raise TunnelRefused(TUNNEL_LIMIT, f"the execution moved its {self.policy.max_bytes} bytes already")
+                raise TunnelRefused(
+                    TUNNEL_LIMIT, f"the execution moved its {self.policy.max_bytes} bytes already", "bytes"
+                )
             upstream = await self._connect(host, port)
         except TunnelRefused as refused:
             await self._reply_refused(client, host, port, refused)
             return
-        except (UpstreamError, OSError) as exc:
+        except OSError as exc:  # TimeoutError included
             self.stats.failed += 1
             code, message = _failure(exc, host or "", port or 0)
             await client.send(f"ERR {code} {message}\n".encode())
@@ -212,7 +282,11 @@ class _Tunnels:
         async with upstream:
             self.stats.opened += 1
             await client.send(b"OK\n")
-            await self._splice(client, reader, upstream)
+            metrics.TUNNELS_OPEN.inc()
+            try:
+                await self._splice(client, reader, upstream)
+            finally:
+                metrics.TUNNELS_OPEN.dec()
 
     async def _connect(self, host: str, port: int) -> anyio.abc.SocketStream:
         context = {"execution_id": self.policy.execution_id}
@@ -224,10 +298,14 @@ class _Tunnels:
             )
         except HostBlocked:
             raise TunnelRefused(
-                HOST_BLOCKED, f"Host {host} is not allowed: it is not on this execution's network allow-list"
+                HOST_BLOCKED, f"Host {host} is not allowed: it is not on this execution's network allow-list", "host"
             ) from None
         except EgressRefused as exc:  # the address policy: the name resolves to a forbidden address
-            raise TunnelRefused(HOST_BLOCKED, f"Host {host} is not allowed: {exc.message}") from None
+            raise TunnelRefused(HOST_BLOCKED, f"Host {host} is not allowed: {exc.message}", "address") from None
+        except UpstreamTimeout as exc:  # a failed lookup is a refusal: counted, capped and logged
+            raise TunnelRefused("EAI_AGAIN", exc.message, "dns") from None
+        except UpstreamError as exc:
+            raise TunnelRefused("ENOTFOUND", exc.message, "dns") from None
         last_error: OSError | None = None
         with anyio.fail_after(self.policy.connect_timeout_s):
             for address in addresses:
@@ -241,11 +319,19 @@ class _Tunnels:
     async def _reply_refused(
         self, client: anyio.abc.SocketStream, host: str | None, port: int | None, refused: TunnelRefused
     ) -> None:
-        self.stats.refuse(host, port, refused.code, refused.message)
-        # The guard logged host refusals with the [SECURITY] line; past the cap nothing more is logged,
-        # so a program that hammers blocked hosts cannot flood the log or the audit trail.
-        if refused.code != HOST_BLOCKED and self.stats.refused <= MAX_REFUSALS:
-            log.warning("execution %s: tunnel refused: %s", self.policy.execution_id, refused.message)
+        metrics.tunnel_refused(refused.reason)
+        if refused.reason == "rate":
+            # Counted only: one line at the end sums them up, so a flood writes no flood of lines.
+            self.stats.refused += 1
+            self.stats.rate_refused += 1
+        else:
+            self.stats.refuse(host, port, refused.code, refused.message)
+            # The guard logged host and address refusals with the [SECURITY] line; past the cap nothing
+            # more is logged, so a program that hammers refused hosts cannot flood the log or the audit trail.
+            if refused.code != HOST_BLOCKED and self.stats.capped <= MAX_REFUSALS:
+                log.warning(
+                    "execution %s: tunnel refused: %s", self.policy.execution_id, escape_for_log(refused.message)
+                )
         await client.send(f"ERR {refused.code} {escape_for_log(refused.message)}\n".encode())
 
     async def _splice(
@@ -273,8 +359,11 @@ class _Tunnels:
         try:
             while True:
                 data = await source.receive(CHUNK)
+                waited = await self.relays.take()
                 if not self._count(len(data), to_upstream):
                     return
+                self.stats.relayed += 1
+                metrics.tunnel_relayed(len(data), to_upstream, waited)
                 await sink.send(data)
         except anyio.EndOfStream:
             pass
@@ -306,14 +395,29 @@ class _Tunnels:
             self.stats.bytes_from_upstream += size
         return True
 
+    def finish(self) -> None:
+        """The execution's tunnel work into /metrics, and one line for the refusals nobody heard."""
+        stats = self.stats
+        metrics.tunnel_execution_ended(stats.accepted, stats.checked, stats.relayed)
+        past_cap = max(0, stats.capped - MAX_REFUSALS)
+        if stats.rate_refused or past_cap:
+            log.warning(
+                "execution %s: %d tunnel connections were refused without a line each: %d past the rate of "
+                "%g new tunnels per second, %d after its first %d refusals",
+                self.policy.execution_id,
+                stats.rate_refused + past_cap,
+                stats.rate_refused,
+                self.policy.tunnel_rate,
+                past_cap,
+                MAX_REFUSALS,
+            )
 
-def _failure(exc: Exception, host: str, port: int) -> tuple[str, str]:
+
+def _failure(exc: OSError, host: str, port: int) -> tuple[str, str]:
     """The Node.js error code and message for an allowed tunnel whose upstream could not be reached."""
-    if isinstance(exc, UpstreamTimeout | TimeoutError):
+    if isinstance(exc, TimeoutError):
         return "ETIMEDOUT", f"connecting to {host}:{port} timed out"
-    if isinstance(exc, UpstreamError):
-        return "ENOTFOUND", escape_for_log(exc.message)
-    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    reason = exc.strerror or str(exc)
     return "ECONNREFUSED", f"connecting to {host}:{port} failed: {escape_for_log(reason)}"
 
 
@@ -322,10 +426,11 @@ async def serving(socket_path: Path, policy: TunnelPolicy) -> AsyncIterator[Tunn
     """Serves tunnels on a new Unix socket (mode 0666: the sandbox's uid connects) until the block ends."""
     stats = TunnelStats()
     tunnels = _Tunnels(policy, stats)
-    listener = await anyio.create_unix_listener(socket_path, mode=0o666)
+    backlog = BACKLOG_PER_TUNNEL * policy.max_tunnels
+    listener = await anyio.create_unix_listener(socket_path, mode=0o666, backlog=backlog)
     try:
         async with anyio.create_task_group() as group:
-            group.start_soon(listener.serve, tunnels.handle, group)
+            group.start_soon(tunnels.accept_all, listener, group)
             try:
                 yield stats
             finally:
@@ -336,3 +441,4 @@ async def serving(socket_path: Path, policy: TunnelPolicy) -> AsyncIterator[Tunn
         with anyio.CancelScope(shield=True):
             await listener.aclose()
             await anyio.Path(socket_path).unlink(missing_ok=True)
+        tunnels.finish()
