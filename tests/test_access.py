@@ -116,7 +116,14 @@ async def test_health_is_open_for_probes_and_everything_else_opens_with_a_key(se
         metrics = await client.get("/metrics", headers={"Authorization": f"Bearer {BOB}"})
     assert health.status_code == 200
     assert tools.status_code == 200
-    assert [t["name"] for t in tools.json()["tools"]] == ["http", "code_interpreter", "search", "embeddings"]
+    assert [t["name"] for t in tools.json()["tools"]] == [
+        "http",
+        "code_interpreter",
+        "search",
+        "embeddings",
+        "session_create",
+        "session_close",
+    ]
     assert blocked.status_code == 400  # past the key check, stopped by the allow-list
     assert metrics.status_code == 200
 

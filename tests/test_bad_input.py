@@ -13,7 +13,7 @@ from tests.conftest import ServiceFactory, make_settings
 from tests.live_service import serving
 from tests.test_mcp import MCP_HEADERS
 
-TOOL_PATHS = [spec.path for spec in TOOLS]
+TOOL_PATHS = [spec.path for spec in TOOLS if spec.path is not None]
 LIMIT = 64 * 1024
 
 # (name, body, content type, status, a phrase the message must hold)

@@ -11,7 +11,14 @@ from tests.conftest import ServiceFactory
 async def test_get_tools_lists_every_tool_in_the_openai_function_shape(service: ServiceFactory) -> None:
     async with service() as client:
         functions = (await client.get("/tools")).json()["tools"]
-    assert [f["name"] for f in functions] == ["http", "code_interpreter", "search", "embeddings"]
+    assert [f["name"] for f in functions] == [
+        "http",
+        "code_interpreter",
+        "search",
+        "embeddings",
+        "session_create",
+        "session_close",
+    ]
     for function, spec in zip(functions, TOOLS, strict=True):
         assert set(function) == {"type", "name", "description", "parameters", "strict"}
         assert function["type"] == "function"

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 
 from metaagent import __version__
 from metaagent.access import KeyRing, RequireApiKey
-from metaagent.api import executions, health
+from metaagent.api import executions, health, sessions
 from metaagent.api.errors import install_error_handlers
 from metaagent.api.tools import tools_router
 from metaagent.body_limit import LimitRequestBody
@@ -25,7 +25,7 @@ from metaagent.packages.install import check_registry
 from metaagent.packages.policy import PackagePolicy
 from metaagent.sandbox.network import read_extra_ca_certs
 from metaagent.services import Configuration, running_services
-from metaagent.settings import Settings
+from metaagent.settings import MIB, Settings
 
 __all__ = ["TOOLS", "create_app"]
 
@@ -57,10 +57,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.state.keys = keys
     # Outermost last: the key check runs first, so a caller without a key gets a 401 before any body is read.
-    app.add_middleware(LimitRequestBody, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(
+        LimitRequestBody,
+        max_bytes=settings.max_request_body_bytes,
+        max_file_bytes=settings.session_max_file_mb * MIB,
+    )
     app.add_middleware(RequireApiKey, keys=keys)
     app.include_router(tools_router(TOOLS))
     app.include_router(executions.router)
+    app.include_router(sessions.router)
     app.include_router(health.router)
     app.state.mcp_server = build_server(TOOLS, lambda: app.state.services)
     mcp_sessions = mount_mcp(app, app.state.mcp_server, settings.mcp_allowed_hosts)

@@ -8,6 +8,7 @@ can make the service hold more than the limit in memory for one request.
 from __future__ import annotations
 
 import json
+import re
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -17,26 +18,34 @@ class BodyTooLarge(HTTPException):
     """Raised from `receive` mid-stream. An HTTPException, so FastAPI's body reader passes it on untouched
     to the app's error handler (which renders it as JSON); other apps (MCP) are answered by the middleware."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, _message(limit))
+    def __init__(self, limit: int, setting: str = "METAAGENT_MAX_REQUEST_BODY_BYTES") -> None:
+        super().__init__(413, _message(limit, setting))
 
 
-def _message(limit: int) -> str:
-    return f"Request body too large: the limit is {limit} bytes (METAAGENT_MAX_REQUEST_BODY_BYTES)"
+def _message(limit: int, setting: str) -> str:
+    return f"Request body too large: the limit is {limit} bytes ({setting})"
+
+
+# The session file uploads, whose bodies are files: their limit is the file size limit.
+_FILE_ROUTE = re.compile(r"^/sessions/[^/]+/files/")
 
 
 class LimitRequestBody:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_file_bytes: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_file_bytes = max_file_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, setting = self.max_bytes, "METAAGENT_MAX_REQUEST_BODY_BYTES"
+        if self.max_file_bytes is not None and _FILE_ROUTE.match(scope["path"]):
+            limit, setting = self.max_file_bytes, "METAAGENT_SESSION_MAX_FILE_MB"
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            await _reply(send, 413, _message(self.max_bytes))
+        if declared is not None and declared > limit:
+            await _reply(send, 413, _message(limit, setting))
             return
 
         received = 0
@@ -47,8 +56,8 @@ class LimitRequestBody:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
+                if received > limit:
+                    raise BodyTooLarge(limit, setting)
             return message
 
         async def watching_send(message: Message) -> None:
@@ -61,7 +70,7 @@ class LimitRequestBody:
             await self.app(scope, counting_receive, watching_send)
         except BodyTooLarge:
             if not response_started:
-                await _reply(send, 413, _message(self.max_bytes))
+                await _reply(send, 413, _message(limit, setting))
 
 
 def _content_length(scope: Scope) -> int | None:

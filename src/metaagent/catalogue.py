@@ -5,6 +5,13 @@ from __future__ import annotations
 from metaagent import metrics
 from metaagent.access import current_caller
 from metaagent.services import Services
+from metaagent.sessions.models import (
+    SessionClosed,
+    SessionCloseRequest,
+    SessionCreateRequest,
+    SessionExecuteRequest,
+    SessionRecord,
+)
 from metaagent.tools import ToolSpec
 from metaagent.tools.code_interpreter import CodeInterpreterRequest, CodeInterpreterResponse
 from metaagent.tools.embeddings import EMBEDDINGS
@@ -23,7 +30,18 @@ async def _invoke_code_interpreter(svc: Services, request: CodeInterpreterReques
 async def _execute_as_caller(svc: Services, request: CodeInterpreterRequest) -> CodeInterpreterResponse:
     caller = current_caller()  # the API key's id, set by the access check
     with svc.execution_quota.hold(caller):
+        if request.session_id is not None:  # as POST /sessions/{id}/execute, with its answer
+            call = SessionExecuteRequest(code=request.code, timeout_s=request.timeout_s)
+            return await svc.sessions.execute(request.session_id, call, caller)
         return await svc.interpreter(request, caller=caller)
+
+
+async def _invoke_session_create(svc: Services, request: SessionCreateRequest) -> SessionRecord:
+    return await svc.sessions.create(request, current_caller())
+
+
+async def _invoke_session_close(svc: Services, request: SessionCloseRequest) -> SessionClosed:
+    return await svc.sessions.close(request.session_id, current_caller())
 
 
 TOOLS: tuple[ToolSpec, ...] = (
@@ -41,4 +59,22 @@ TOOLS: tuple[ToolSpec, ...] = (
     ),
     SEARCH,
     EMBEDDINGS,
+    ToolSpec(
+        "session_create",
+        None,
+        SessionCreateRequest,
+        SessionRecord,
+        "Open a stateful JavaScript session with a private /workspace",
+        _invoke_session_create,
+        error_statuses=(400, 422, 429, 503),
+    ),
+    ToolSpec(
+        "session_close",
+        None,
+        SessionCloseRequest,
+        SessionClosed,
+        "Close a session: its container and files are gone",
+        _invoke_session_close,
+        error_statuses=(404, 410),
+    ),
 )

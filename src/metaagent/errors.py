@@ -7,6 +7,9 @@
     │   │   └── HostBlocked              the host is not on the allow-list ("Blocked host: <host>")
     │   └── PackageRefused               an npm package the package policy forbids
     ├── NotFound                         404
+    ├── Gone                             410: a session that has ended (its `reason` says how)
+    ├── PayloadTooLarge                  413
+    ├── InsufficientStorage              507: a session's workspace is full
     ├── AtCapacity                       429, with Retry-After
     ├── ClientGone                       499: the caller disconnected; its work was cancelled
     ├── UpstreamError                    502: an allowed upstream failed (DNS, refused, TLS, bad answer)
@@ -82,6 +85,18 @@ class PackageRefused(RequestRefused):
 
 class NotFound(MetaAgentError):
     status_code = 404
+
+
+class Gone(MetaAgentError):
+    status_code = 410
+
+
+class PayloadTooLarge(MetaAgentError):
+    status_code = 413
+
+
+class InsufficientStorage(MetaAgentError):
+    status_code = 507
 
 
 class AtCapacity(MetaAgentError):

@@ -27,6 +27,7 @@ class ExecutionInfo(BaseModel):
     memory_mb: int
     state: State
     caller: str | None = None
+    session_id: str | None = None
 
 
 class ExecutionList(BaseModel):
@@ -45,6 +46,7 @@ class Execution:
     memory_mb: int
     caller: str | None = None
     container_id: str | None = None
+    session_id: str | None = None  # a call into a session
     state: State = "starting"
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     kill_requested: anyio.Event = field(default_factory=anyio.Event)
@@ -58,6 +60,7 @@ class Execution:
             memory_mb=self.memory_mb,
             state=self.state,
             caller=self.caller,
+            session_id=self.session_id,
         )
 
 

@@ -27,7 +27,8 @@ from metaagent.sandbox.engine import Engine, EngineUnavailable
 from metaagent.sandbox.network import NetworkLimits, SandboxNetwork
 from metaagent.sandbox.pool import WarmPool
 from metaagent.sandbox.provision import SandboxImage
-from metaagent.settings import Settings
+from metaagent.sessions.service import SessionLimits, Sessions
+from metaagent.settings import MIB, Settings
 from metaagent.tools.code_interpreter import CodeInterpreter
 from metaagent.tools.embeddings import EmbeddingsTool
 from metaagent.tools.http import HttpTool
@@ -66,15 +67,19 @@ class Services:
     embeddings: EmbeddingsTool
     execution_quota: ExecutionQuota
     packages: PackageStore
+    sessions: Sessions
 
     def begin_stop(self) -> None:
-        """Refuses new executions, empties the warm pool and asks every running one to be killed."""
+        """Refuses new work, empties the warm pool, asks every running execution to be killed and ends
+        every session (reason `stopped`)."""
         self.interpreter.close()
         self.executions.kill_all()
+        self.sessions.begin_close_all("stopped")
 
     async def stop(self) -> None:
-        """Stops new work, kills every running execution and waits (bounded) for their containers to go."""
+        """Stops new work, kills every execution and session, and waits (bounded) for their containers."""
         self.begin_stop()
+        await self.sessions.close_all("stopped")
         with anyio.move_on_after(30):
             await self.executions.wait_empty()
 
@@ -123,6 +128,22 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
             ),
             config.extra_ca_pem,
         ),
+        workspace_mb=settings.session_workspace_mb,
+    )
+    session_max = settings.effective_session_max(cpu_count)
+    sessions = Sessions(
+        interpreter,
+        executions,
+        audit,
+        SessionLimits(
+            max_sessions=session_max,
+            per_key=settings.sessions_per_key or session_max,
+            queue_size=settings.session_queue,
+            max_lifetime_s=settings.session_max_lifetime_s,
+            max_file_bytes=settings.session_max_file_mb * MIB,
+            file_timeout_s=settings.session_file_timeout_s,
+        ),
+        workspace_mb=settings.session_workspace_mb,
     )
     search, embeddings = SearchTool(guard, settings), EmbeddingsTool(guard, settings)
     metrics.watch_admission(interpreter.admission)
@@ -141,9 +162,11 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         embeddings,
         ExecutionQuota(settings.max_executions_per_key),
         packages,
+        sessions,
     )
     async with anyio.create_task_group() as background:
         background.start_soon(_prepare_sandbox, engine, image, interpreter.pool, settings.sandbox_build_on_start)
+        background.start_soon(sessions.run)
         try:
             yield services
         finally:

@@ -67,6 +67,19 @@ class Settings(BaseSettings):
     pool_enabled: bool = True
     pool_size: int | None = Field(default=None, ge=0, le=64)
 
+    # Sessions: how many may be open (None: 2 x the execution concurrency) and per key (None: no share
+    # beyond that), calls waiting per session, the lifetime cap, each container's /workspace tmpfs (every
+    # container has one, so that a warm container can serve a session), and the largest file upload.
+    session_max: int | None = Field(default=None, ge=1)
+    sessions_per_key: int | None = Field(default=None, ge=1)
+    session_queue: int = Field(default=8, ge=0)
+    session_max_lifetime_s: int = Field(default=3600, ge=60, le=86400)
+    session_workspace_mb: int = Field(default=100, ge=1, le=4096)
+    session_max_file_mb: int = Field(default=25, ge=1, le=4096)
+    # A file request the session's runner does not begin to answer in this time ends the session (the
+    # program blocks its event loop).
+    session_file_timeout_s: float = Field(default=30.0, gt=0, le=600)
+
     # Access: API keys (`metaagent.access` parses them), executions one key may have running or queued,
     # and the largest request body accepted (413 past it, counted while it streams in).
     api_keys: Annotated[SecretStr | None, NoDecode] = None
@@ -100,6 +113,9 @@ class Settings(BaseSettings):
         if self.max_concurrent_executions is not None:
             return self.max_concurrent_executions
         return max(1, int(cpu_count / self.sandbox_cpus))
+
+    def effective_session_max(self, cpu_count: int) -> int:
+        return self.session_max if self.session_max is not None else 2 * self.effective_concurrency(cpu_count)
 
     def effective_pool_size(self, cpu_count: int) -> int:
         if not self.pool_enabled:

@@ -248,6 +248,7 @@ def test_every_execution_writes_an_audit_record_with_its_security_context(sandbo
         "pids_limit": 32,
         "nofile": 256,
         "tmpfs": "/tmp 100m noexec",
+        "workspace": "/workspace 100m noexec nosuid",
         "mounts": [],
     }
     assert record["outcome"]["exit_code"] == 0  # type: ignore[index]

@@ -225,7 +225,7 @@ def test_no_mount_reveals_a_path_of_the_service_or_its_users(run_raw: RunRaw, tm
         elif mount["root"] != "/":
             assert mount["at"].startswith(("/proc", "/sys", "/dev")), mount
     text = outcome.stdout.text()
-    for host_path in ("/work", "/root", str(tmp_path), "/var/cache/metaagent"):
+    for host_path in ("/work/", "/root", str(tmp_path), "/var/cache/metaagent"):
         assert host_path not in text
 
 
@@ -281,7 +281,7 @@ def test_a_package_volume_reveals_no_path_outside_the_engine_data_root(run_raw: 
             or mount["root"].startswith("/var/lib/docker/")
             or mount["at"].startswith(("/proc", "/sys", "/dev"))
         ), mount
-    for host_path in ("/work", "/root", str(tmp_path), "/var/cache/metaagent"):
+    for host_path in ("/work/", "/root", str(tmp_path), "/var/cache/metaagent"):
         assert host_path not in outcome.stdout.text()
 
 

@@ -427,7 +427,7 @@ def test_network_execution_reveals_no_host_path_outside_the_engine_data_root(
             assert mount["at"].startswith(("/proc", "/sys", "/dev")), mount
     assert any(m["at"] == "/run/metaagent" for m in report["mounts"])
     text = outcome.stdout.text()
-    for host_path in ("/work", "/root", str(tmp_path), "/var/cache/metaagent", "/tmp/"):
+    for host_path in ("/work/", "/root", str(tmp_path), "/var/cache/metaagent", "/tmp/"):
         assert host_path not in text
 
 

@@ -6,20 +6,20 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from metaagent.api.deps import services
+from metaagent.api.deps import services, until_disconnect
 from metaagent.api.errors import error_responses
-from metaagent.errors import ClientGone
 from metaagent.tools import ToolSpec
 
 
 def tools_router(tools: Sequence[ToolSpec]) -> APIRouter:
     router = APIRouter()
     for spec in tools:
-        _add_tool_route(router, spec)
+        if spec.path is not None:
+            _add_tool_route(router, spec)
 
     @router.get("/tools", tags=["service"], summary="The tools, as OpenAI-style function schemas")
     async def list_tools() -> dict[str, Any]:
@@ -29,31 +29,13 @@ def tools_router(tools: Sequence[ToolSpec]) -> APIRouter:
 
 
 def _add_tool_route(router: APIRouter, spec: ToolSpec) -> None:
+    assert spec.path is not None  # noqa: S101 -- the caller routes only tools that have a path
     """`POST <spec.path>`: the body is validated by the tool's request model, the answer is its response model."""
 
-    async def endpoint(body: BaseModel, request: Request) -> BaseModel:
-        # A caller that hangs up cancels its call: an execution's container is then killed and removed.
-        result: list[BaseModel] = []
-        failure: list[Exception] = []
-        async with anyio.create_task_group() as group:
-
-            async def watch_disconnect() -> None:
-                # The body is read already, so the next ASGI message can only be the disconnect.
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                group.cancel_scope.cancel()
-
-            group.start_soon(watch_disconnect)
-            try:
-                result.append(await spec.invoke(services(request), body))
-            except Exception as exc:  # carried out of the task group unwrapped, for the error handlers
-                failure.append(exc)
-            group.cancel_scope.cancel()
-        if failure:
-            raise failure[0]
-        if not result:
-            raise ClientGone("The client disconnected before the answer was ready")
-        return result[0]
+    async def endpoint(body: BaseModel, request: Request) -> JSONResponse:
+        result = await until_disconnect(request, lambda: spec.invoke(services(request), body))
+        # The answer as the tool made it: a call into a session answers more fields than the model shows.
+        return JSONResponse(result.model_dump(mode="json"))
 
     # FastAPI reads the body's type from the signature; the model differs per tool, so it is set here.
     endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # read by FastAPI

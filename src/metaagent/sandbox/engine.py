@@ -71,6 +71,10 @@ class ContainerSpec:
     nofile: int = 256
     tmp_size_mb: int = 100
     tmp_inodes: int = 16384
+    # A session's workspace (its cwd; the runner's file calls and the program's fs work inside it). Every
+    # container has it, so that a warm container can serve a session or a one-shot run alike; a one-shot
+    # program cannot reach it (fs is refused there).
+    workspace_mb: int = 100
     mounts: tuple[Mount, ...] = ()
 
     def security_context(self) -> dict[str, Any]:
@@ -85,6 +89,7 @@ class ContainerSpec:
             "pids_limit": self.pids_limit,
             "nofile": self.nofile,
             "tmpfs": f"/tmp {self.tmp_size_mb}m noexec",
+            "workspace": f"/workspace {self.workspace_mb}m noexec nosuid",
             "mounts": [f"{m.target} ({m.kind}, {'ro' if m.read_only else 'rw'})" for m in self.mounts],
         }
 
@@ -163,7 +168,9 @@ class Engine:
                 # noexec: nothing written at run time can be executed; nr_inodes: an inode flood is an
                 # ENOSPC, not an OOM kill; tmpfs pages count against the memory limit.
                 tmpfs={
-                    "/tmp": f"rw,nosuid,nodev,noexec,size={spec.tmp_size_mb}m,nr_inodes={spec.tmp_inodes},mode=1777"
+                    "/tmp": f"rw,nosuid,nodev,noexec,size={spec.tmp_size_mb}m,nr_inodes={spec.tmp_inodes},mode=1777",
+                    "/workspace": f"rw,nosuid,nodev,noexec,size={spec.workspace_mb}m,nr_inodes={spec.tmp_inodes},"
+                    f"uid={SANDBOX_UID.split(':')[0]},gid={SANDBOX_UID.split(':')[1]},mode=0700",
                 },
                 cap_drop=["ALL"],
                 security_opt=["no-new-privileges"],

@@ -53,21 +53,35 @@ class RunnerEgress:
     extra_ca_pem: bytes = b""  # trusted besides the image's CA bundle
 
 
+def _header(fields: dict[str, object], egress: RunnerEgress | None) -> tuple[bytes, bytes]:
+    """The runner's JSON header line (with the egress fields) and the extra CA PEMs that follow the body."""
+    extra_ca = b""
+    if egress is not None:
+        extra_ca = egress.extra_ca_pem
+        fields = {
+            **fields,
+            "egress_socket": egress.socket_path,
+            "egress_max_tunnels": egress.max_tunnels,
+            "extra_ca_bytes": len(extra_ca),
+        }
+    return json.dumps(fields).encode() + b"\n", extra_ca
+
+
 def payload(code: str, stdin: str | None, egress: RunnerEgress | None = None) -> bytes:
     """The runner's stdin protocol: a JSON header line, the code, the program's stdin, then extra CA PEMs."""
     code_bytes = code.encode("utf-8")
     stdin_bytes = (stdin or "").encode("utf-8")
-    fields: dict[str, object] = {"code_bytes": len(code_bytes), "stdin_bytes": len(stdin_bytes)}
-    extra_ca = b""
-    if egress is not None:
-        extra_ca = egress.extra_ca_pem
-        fields.update(
-            egress_socket=egress.socket_path, egress_max_tunnels=egress.max_tunnels, extra_ca_bytes=len(extra_ca)
-        )
-    return json.dumps(fields).encode() + b"\n" + code_bytes + stdin_bytes + extra_ca
+    header, extra_ca = _header({"code_bytes": len(code_bytes), "stdin_bytes": len(stdin_bytes)}, egress)
+    return header + code_bytes + stdin_bytes + extra_ca
 
 
-async def _first(*events: anyio.Event) -> None:
+def session_payload(egress: RunnerEgress | None = None) -> bytes:
+    """What makes a started runner a session's: its header (and extra CAs); requests follow (session_wire)."""
+    header, extra_ca = _header({"session": True}, egress)
+    return header + extra_ca
+
+
+async def first_of(*events: anyio.Event) -> None:
     """Returns as soon as any of the events is set."""
     async with anyio.create_task_group() as group:
 
@@ -95,6 +109,10 @@ class Prepared:
         if not self.cpus_limited:
             await engine.limit_cpus(self.container_id, self.cpus)
             self.cpus_limited = True
+
+    async def send(self, data: bytes) -> None:
+        """Writes to the container's stdin; OSError once the container is gone."""
+        await sock_sendall(self.sock, data)
 
     async def read_some(self) -> bool:
         """Reads what the stream has (waiting for it); False at the end of the stream."""
@@ -189,7 +207,7 @@ async def _run(
             group.start_soon(pump)
             if not output.ready:  # a cold container: the clock starts once its runner waits for the code
                 with anyio.move_on_after(START_TIMEOUT_S):
-                    await _first(settled, exited, drained, execution.kill_requested)
+                    await first_of(settled, exited, drained, execution.kill_requested)
             if output.ready:  # otherwise the runner failed to start: its exit and stderr say why
                 await prepared.limit_cpus(engine)
                 try:
@@ -200,7 +218,7 @@ async def _run(
             started = time.monotonic()
             execution.state = "running"
             with anyio.move_on_after(timeout_s):
-                await _first(exited, execution.kill_requested)
+                await first_of(exited, execution.kill_requested)
             if execution.kill_requested.is_set() and not exited.is_set():
                 killed = True
                 await engine.kill(container_id, "SIGKILL")
@@ -209,7 +227,7 @@ async def _run(
                 execution.state = "stopping"
                 await engine.kill(container_id, "SIGTERM")
                 with anyio.move_on_after(grace_s):
-                    await _first(exited, execution.kill_requested)
+                    await first_of(exited, execution.kill_requested)
                 if not exited.is_set():
                     await engine.kill(container_id, "SIGKILL")
             with anyio.move_on_after(_EXIT_AFTER_KILL_S):

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import Protocol
 
 STDOUT, STDERR = 1, 2
 _HEADER = struct.Struct(">BxxxI")
+
+
+class ByteSink(Protocol):
+    def add(self, data: bytes) -> None: ...
 
 
 @dataclass
@@ -78,6 +83,7 @@ class Demultiplexer:
         self._preamble = bytearray()
         self.ready = not ready_marker
         self.start_failed = False
+        self._sinks: tuple[ByteSink, ByteSink] | None = None
 
     def _route(self, stream: int, data: bytes) -> None:
         if not self.ready and not self.start_failed:
@@ -94,7 +100,14 @@ class Demultiplexer:
                 self.start_failed = True
             if not data:
                 return
+        if self._sinks is not None:
+            self._sinks[1 if stream == STDERR else 0].add(data)
+            return
         (self.stderr if stream == STDERR else self.stdout).add(data)
+
+    def redirect(self, stdout: ByteSink, stderr: ByteSink) -> None:
+        """From now on, each stream's bytes go to these sinks (a session's frames and raw stderr)."""
+        self._sinks = (stdout, stderr)
 
     def feed(self, data: bytes) -> None:
         view = memoryview(data)

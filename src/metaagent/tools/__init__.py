@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ToolSpec:
     name: str
-    path: str
+    path: str | None  # its POST route under /tools; None for a tool whose HTTP face is a resource's (sessions)
     request_model: type[BaseModel]
     response_model: type[BaseModel]
     summary: str

@@ -9,10 +9,10 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
@@ -42,6 +42,11 @@ class NetworkPolicy(BaseModel):
     )
 
 
+# Set when the session is created; a call into a session leaves them out (or null).
+SESSION_OWNED_FIELDS = ("memory_mb", "packages", "network", "language", "stdin")
+Language = Literal["javascript", "python"]
+
+
 class CodeInterpreterRequest(BaseModel):
     """Run JavaScript (a CommonJS script on Node.js 18) in a fresh, isolated container and return its output.
 
@@ -49,6 +54,11 @@ class CodeInterpreterRequest(BaseModel):
     limits on memory, CPU, processes and open files. Core modules that reach the file system, other
     programs or raw sockets (fs, child_process, net, ...) are blocked. With `network`, http, https and
     fetch reach the listed hosts (and only those). Print results with console.log.
+
+    With `session_id` (from session_create), the code runs in that session instead: variables,
+    functions and imports of earlier calls are still there, top-level await works, the value of the last
+    expression comes back as `result`, and fs works inside /workspace (the cwd, where uploaded files are)
+    and /tmp. Leave memory_mb, packages, network, language and stdin out then: the session has them.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -61,6 +71,22 @@ class CodeInterpreterRequest(BaseModel):
     )
     stdin: str | None = Field(default=None, max_length=MAX_CODE_BYTES, description="Standard input for the program.")
     network: NetworkPolicy | None = Field(default=None, description="Egress for the code; null means no network.")
+    language: Language = Field(default="javascript", description="javascript (Node.js 18); python is not served yet.")
+    session_id: str | None = Field(
+        default=None, max_length=64, description="Run in this session (see session_create); its state persists."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields_of_the_session(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("session_id") is None:
+            return data
+        given = [name for name in SESSION_OWNED_FIELDS if data.get(name) is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} belong to the session: leave them out (or null) when session_id is set"
+            )
+        return {key: value for key, value in data.items() if key not in SESSION_OWNED_FIELDS}
 
 
 class CodeInterpreterResponse(BaseModel):
@@ -109,6 +135,18 @@ class Admission:
             self._slots.release()
 
 
+def code_fields(code: str) -> dict[str, Any]:
+    """How audit records name code: its sha256 and size, never the code itself."""
+    data = code.encode()
+    return {"code_sha256": hashlib.sha256(data).hexdigest(), "code_bytes": len(data)}
+
+
+def refuse_unserved_language(language: str) -> None:
+    """A 400 for a language this service does not run yet (Python comes with its own image)."""
+    if language != "javascript":
+        raise RequestRefused(f"Language {language!r} is not served here yet; use javascript (Node.js 18)")
+
+
 def container_spec(
     execution_id: str,
     image: str,
@@ -116,6 +154,7 @@ def container_spec(
     cpus: float,
     mounts: tuple[Mount, ...] = (),
     command: list[str] | None = None,
+    workspace_mb: int = 100,
 ) -> ContainerSpec:
     """The container of one execution. `command` replaces the runner only in the tests of the container layer."""
     # Node's heap limit below the container's, so that a hog usually ends with a JavaScript heap
@@ -133,6 +172,7 @@ def container_spec(
         cpus=cpus,
         labels={SERVICE_LABEL: "metaagent", EXECUTION_LABEL: execution_id, OWNER_PID_LABEL: str(os.getpid())},
         mounts=mounts,
+        workspace_mb=workspace_mb,
     )
 
 
@@ -151,6 +191,7 @@ class CodeInterpreter:
         pool_size: int = 0,
         packages: PackageStore | None = None,
         network: SandboxNetwork | None = None,
+        workspace_mb: int = 100,
     ) -> None:
         self.engine = engine
         self.image = image
@@ -164,10 +205,13 @@ class CodeInterpreter:
             image,
             size=pool_size,
             memory_mb=DEFAULT_MEMORY_MB,
-            make_spec=lambda execution_id, tag: container_spec(execution_id, tag, DEFAULT_MEMORY_MB, cpus),
+            make_spec=lambda execution_id, tag: container_spec(
+                execution_id, tag, DEFAULT_MEMORY_MB, cpus, workspace_mb=workspace_mb
+            ),
         )
         self.packages = packages
         self.network = network
+        self.workspace_mb = workspace_mb
         self.closing = False
 
     def close(self) -> None:
@@ -179,15 +223,16 @@ class CodeInterpreter:
 
     async def __call__(self, request: CodeInterpreterRequest, caller: str | None = None) -> CodeInterpreterResponse:
         self._refuse_if_closing()
-        dependencies = self._check_packages(request.packages)
-        allowlist = self._network_allowlist(request)
+        refuse_unserved_language(request.language)
+        dependencies = self.check_packages(request.packages)
+        allowlist = self.network_allowlist(request.network)
         image_ref = await self.image.require()
         outcome: Outcome | None = None
         error: str | None = None
         network: ExecutionNetwork | None = None
         # Packages are installed before the slot is taken: an install is not an execution's time.
         async with (
-            self._provide_packages(request.packages, dependencies, image_ref, caller) as packages,
+            self.provide_packages(request.packages, dependencies, image_ref, caller) as packages,
             self.admission.slot() as queued_s,
         ):
             self._refuse_if_closing()  # the service may have begun to stop while this execution was queued
@@ -200,7 +245,9 @@ class CodeInterpreter:
             spec = (
                 warm.spec
                 if warm
-                else container_spec(execution_id, image_ref, request.memory_mb, self.cpus, mounts=mounts)
+                else container_spec(
+                    execution_id, image_ref, request.memory_mb, self.cpus, mounts=mounts, workspace_mb=self.workspace_mb
+                )
             )
             self.registry.add(execution)
             try:
@@ -246,7 +293,7 @@ class CodeInterpreter:
             return None
         return self.pool.take(image_ref)
 
-    def _check_packages(self, requested: list[str]) -> dict[str, str]:
+    def check_packages(self, requested: list[str]) -> dict[str, str]:
         """The npm dependencies a request's packages come to; a 400 before anything runs otherwise."""
         if not requested:
             return {}
@@ -259,7 +306,7 @@ class CodeInterpreter:
         return self.packages.check(requested)
 
     @asynccontextmanager
-    async def _provide_packages(
+    async def provide_packages(
         self, requested: list[str], dependencies: dict[str, str], image: str, caller: str | None
     ) -> AsyncIterator[PreparedPackages | None]:
         if not dependencies or self.packages is None:
@@ -268,13 +315,13 @@ class CodeInterpreter:
         async with self.packages.provide(requested, dependencies, image, caller) as prepared:
             yield prepared
 
-    def _network_allowlist(self, request: CodeInterpreterRequest) -> AllowList | None:
+    def network_allowlist(self, network: NetworkPolicy | None) -> AllowList | None:
         """The execution's own egress allow-list, None without `network`; raises RequestRefused (400)."""
-        if request.network is None:
+        if network is None:
             return None
         if self.network is None:
             raise RequestRefused("Network for sandboxed code is not enabled on this service; remove `network`")
-        return self.network.allowlist_for(request.network.allow)
+        return self.network.allowlist_for(network.allow)
 
     def _audit(
         self,
@@ -287,7 +334,6 @@ class CodeInterpreter:
         packages: PreparedPackages | None,
         network: ExecutionNetwork | None,
     ) -> None:
-        code = request.code.encode()
         result: dict[str, Any]
         if outcome is not None:
             result = {
@@ -308,8 +354,7 @@ class CodeInterpreter:
             caller=execution.caller,
             started_at=execution.started_at.isoformat(timespec="milliseconds"),
             finished_at=datetime.now(UTC).isoformat(timespec="milliseconds"),
-            code_sha256=hashlib.sha256(code).hexdigest(),
-            code_bytes=len(code),
+            **code_fields(request.code),
             stdin_bytes=len((request.stdin or "").encode()),
             limits={
                 "timeout_s": request.timeout_s,

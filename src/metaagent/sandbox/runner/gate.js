@@ -121,11 +121,17 @@ function facadeOf(exports, refusals) {
   return facade;
 }
 
+// The refused built-in a request names, if any: a built-in with a facade (a session's fs) is not refused.
+function refusedRequest(request) {
+  if (facades[builtinName(request)] !== undefined) return undefined;
+  return refusedBuiltin(request);
+}
+
 // Module._load: every require() spelling ends here. "node:x" requests never reach _resolveFilename, so
 // built-ins are decided here first; the rest goes through the gated _resolveFilename below.
 function gatedLoad(request, parent, isMain) {
   requireString(request, 'request');
-  const refused = refusedBuiltin(request);
+  const refused = refusedRequest(request);
   if (refused !== undefined) throw builtinBlockedError(refused, gatedLoad);
   const facade = facades[builtinName(request)];
   if (facade !== undefined) return facade;
@@ -143,7 +149,7 @@ function parentFolder(parent) {
 // what resolution produced (realpaths come back, so a symbolic link cannot lead out either).
 function gatedResolveFilename(request, parent, isMain, options) {
   requireString(request, 'request');
-  const refused = refusedBuiltin(request);
+  const refused = refusedRequest(request);
   if (refused !== undefined) throw builtinBlockedError(refused, gatedResolveFilename);
   if (request[0] === '/' && !isAllowedPath(request)) throw pathBlockedError(request, gatedResolveFilename);
   if (options === undefined && isRelativeRequest(request) && !isAllowedPath(resolveFrom(parentFolder(parent), request))) {
@@ -151,7 +157,7 @@ function gatedResolveFilename(request, parent, isMain, options) {
   }
   const filename = ReflectApply(originalResolveFilename, Module, [request, parent, isMain, options]);
   if (isBuiltinName(filename)) {
-    const refusedResult = refusedBuiltin(filename);
+    const refusedResult = refusedRequest(filename);
     if (refusedResult !== undefined) throw builtinBlockedError(refusedResult, gatedResolveFilename);
     return filename;
   }
@@ -321,15 +327,17 @@ function gatedListen(...args) {
 }
 
 // import() of user code: decided by imports.js with the same gated loader.
-const importerFor = imports.importerFactory(gatedLoad, gatedResolveFilename);
+const importerFor = imports.importerFactory(gatedLoad, gatedResolveFilename, refusedRequest);
 
 function ignoreSignal() {}
 
 let installed = false;
 
 // Puts the gate in place; throws (before any user code runs) if any piece cannot be. `unixSockets` lists
-// the socket paths the runner itself connects to (the egress tunnel), which connect() may reach.
-function install({ unixSockets = [] } = {}) {
+// the socket paths the runner itself connects to (the egress tunnel), which connect() may reach. A
+// session passes its confined file system (fsgate.js): `builtins` (fs and fs/promises facades) and
+// `chdir`; without them fs stays refused and chdir too.
+function install({ unixSockets = [], builtins = {}, chdir = blockedApi('process.chdir') } = {}) {
   if (installed) return;
   installed = true;
 
@@ -358,7 +366,8 @@ function install({ unixSockets = [] } = {}) {
   lock(process, '_getActiveHandles', blockedApi('process._getActiveHandles'));
   lock(process, '_getActiveRequests', blockedApi('process._getActiveRequests'));
   // chdir answers differently for a missing folder, a file and a folder: a probe of any path.
-  lock(process, 'chdir', blockedApi('process.chdir'));
+  lock(process, 'chdir', chdir);
+  for (const name of ObjectKeys(builtins)) facades[name] = builtins[name];
   // Source maps make node read the files a map names (any path) and print their lines in stack traces.
   lock(process, 'setSourceMapsEnabled', blockedApi('process.setSourceMapsEnabled'));
   const report = ObjectGetOwnPropertyDescriptor(process, 'report');
@@ -385,4 +394,10 @@ function install({ unixSockets = [] } = {}) {
   for (const file of ownFiles) delete moduleCache[file];
 }
 
-module.exports = ObjectFreeze({ __proto__: null, install });
+// A session call's code: a script in the main context (its declarations persist, as in the REPL),
+// with the import() gate for `referrer`, the session's module.
+function scriptFor(code, filename, referrer) {
+  return new vm.Script(code, { __proto__: null, filename, importModuleDynamically: importerFor(referrer) });
+}
+
+module.exports = ObjectFreeze({ __proto__: null, install, requireFor: makeRequire, scriptFor });

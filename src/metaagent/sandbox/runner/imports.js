@@ -37,7 +37,7 @@ const moduleSetExport = SyntheticModulePrototype.setExport;
 const moduleNamespace = Object.getOwnPropertyDescriptor(Object.getPrototypeOf(SyntheticModulePrototype), 'namespace').get;
 
 const {
-  refusedBuiltin, isAllowedPath, builtinBlockedError, pathBlockedError, urlBlockedError, blockedModuleError,
+  isAllowedPath, builtinBlockedError, pathBlockedError, urlBlockedError, blockedModuleError,
 } = policy;
 
 const CODE_NOT_FOUND = 'ERR_MODULE_NOT_FOUND';
@@ -104,7 +104,8 @@ async function namespaceOf(exports, identifier) {
 
 // Returns importerFor(module): the dynamic-import callback of the code of one CommonJS module.
 // `load` and `resolve` are the gate's Module._load and Module._resolveFilename.
-function importerFactory(load, resolve) {
+// `refused(request)` names the refused built-in a request names, if any.
+function importerFactory(load, resolve, refused) {
   const namespaces = new SafeMap(); // key -> Promise of a namespace
 
   function cached(key, exportsOf) {
@@ -144,8 +145,8 @@ function importerFactory(load, resolve) {
   function decide(specifier, referrer) {
     const referrerName = referrer !== null && typeof referrer === 'object' && typeof referrer.filename === 'string'
       ? referrer.filename : 'the sandbox';
-    const refused = refusedBuiltin(specifier);
-    if (refused !== undefined) throw builtinBlockedError(refused);
+    const refusedName = refused(specifier);
+    if (refusedName !== undefined) throw builtinBlockedError(refusedName);
     const scheme = schemeOf(specifier);
     if (scheme === undefined) {
       if (specifier[0] === '/' && !isAllowedPath(specifier)) throw pathBlockedError(specifier);
@@ -156,8 +157,8 @@ function importerFactory(load, resolve) {
       if (ReflectApply(StringPrototypeIndexOf, rest, ['?']) !== -1 || ReflectApply(StringPrototypeIndexOf, rest, ['#']) !== -1) {
         throw urlBlockedError(specifier, 'node: with query or fragment');
       }
-      const refusedName = refusedBuiltin(`node:${rest}`);
-      if (refusedName !== undefined) throw builtinBlockedError(refusedName);
+      const refusedScheme = refused(`node:${rest}`);
+      if (refusedScheme !== undefined) throw builtinBlockedError(refusedScheme);
       return builtin(rest);
     }
     if (scheme === 'file') {

@@ -11,6 +11,9 @@
 // fetch through that socket. The host may keep stdin open afterwards, so we count bytes and never wait
 // for EOF.
 //
+// A session's header is {"session": true, ...} (with the same egress fields, and no code or stdin):
+// the runner then stays, and reads the session's requests from stdin (session.js).
+//
 // Everything the runner and the gate use once user code runs is captured while this file and the ones
 // it requires load, before any payload byte is read: user code can replace globals and prototypes, but
 // not these bindings (gate.js lists what the gate relies on).
@@ -23,9 +26,11 @@ const stdio = require('./stdio.js');
 const gate = require('./gate.js');
 // Egress through the execution's tunnel: it captures net and tls, which the gate refuses to user code.
 const egress = require('./egress.js');
+// The session loop (session.js; it loads fsgate.js and await.js when a session starts).
+const session = require('./session.js');
 // Out of the CommonJS cache at once: require.cache leads to nothing of the runner's (as for the gate).
 delete Module._cache[require.resolve('./egress.js')];
-delete Module._cache[require.resolve('./stdio.js')];
+for (const file of ['./stdio.js', './session.js']) delete Module._cache[require.resolve(file)];
 
 const processExit = process.exit.bind(process);
 const jsonParse = JSON.parse;
@@ -38,6 +43,7 @@ const MAX_HEADER_BYTES = 1024;
 const READ_CHUNK = 65536;
 const EXIT_BAD_PAYLOAD = 70; // EX_SOFTWARE: tells the host the runner, not the user's code, gave up.
 const COUNT_FIELDS = ['code_bytes', 'stdin_bytes', 'extra_ca_bytes'];
+const SESSION_FIELD = 'session';
 const EGRESS_FIELDS = ['egress_socket', 'egress_max_tunnels', 'extra_ca_bytes'];
 const EGRESS_SOCKET_DIR = '/run/metaagent/';
 
@@ -57,12 +63,18 @@ function parseHeader(line) {
     return badPayload('header is not a JSON object');
   }
   for (const key of Object.keys(header)) {
-    if (key !== 'code_bytes' && key !== 'stdin_bytes' && !EGRESS_FIELDS.includes(key)) {
+    if (key !== 'code_bytes' && key !== 'stdin_bytes' && key !== SESSION_FIELD && !EGRESS_FIELDS.includes(key)) {
       return badPayload(`unknown header field ${key}`);
     }
   }
+  const isSession = header[SESSION_FIELD] === true;
+  if (SESSION_FIELD in header && !isSession) return badPayload('session must be true when given');
   for (const key of COUNT_FIELDS) {
     if (key === 'extra_ca_bytes' && !('egress_socket' in header)) continue;
+    if (isSession && key !== 'extra_ca_bytes') {
+      if (key in header) return badPayload(`a session takes no ${key}`);
+      continue;
+    }
     if (!isSafeInteger(header[key]) || header[key] < 0) {
       return badPayload(`${key} must be a non-negative integer`);
     }
@@ -79,15 +91,17 @@ function parseHeader(line) {
     egressConfig = { socketPath: socket, maxTunnels: header.egress_max_tunnels };
   }
   return {
-    codeBytes: header.code_bytes,
-    stdinBytes: header.stdin_bytes,
+    session: isSession,
+    codeBytes: isSession ? 0 : header.code_bytes,
+    stdinBytes: isSession ? 0 : header.stdin_bytes,
     extraCaBytes: egressConfig === null ? 0 : header.extra_ca_bytes,
     egress: egressConfig,
   };
 }
 
 // Reads header, code, stdin and extra CAs from the real stdin, blocking (a warm runner waits here, idle,
-// for its payload). Returns {code, input, egress}; egress is null, or {socketPath, maxTunnels, extraCa}.
+// for its payload). Returns {session, code, input, egress, rest}; egress is null, or {socketPath, maxTunnels,
+// extraCa}; rest holds the bytes read past the payload (a session's first requests).
 function readPayload() {
   let pending = Buffer.alloc(0); // bytes received up to the end of the header line
   let header = null;
@@ -109,6 +123,7 @@ function readPayload() {
   const body = Buffer.alloc(total);
   let received = Math.min(pending.length, total);
   pending.copy(body, 0, 0, received);
+  const rest = Buffer.from(pending.subarray(received));
   while (received < total) {
     const size = stdio.readStdin(body.subarray(received));
     if (size === 0) return badPayload(`stdin ended after ${received} of ${total} body bytes`);
@@ -121,7 +136,7 @@ function readPayload() {
   if (header.egress !== null) {
     egressConfig = { ...header.egress, extraCa: body.subarray(stdinEnd, total).toString('ascii') };
   }
-  return { code, input, egress: egressConfig };
+  return { session: header.session, code, input, egress: egressConfig, rest };
 }
 
 // EGRESS: with network, node's http, https and fetch go through the execution's tunnel (egress.js).
@@ -158,10 +173,15 @@ stdio.writeStderr('metaagent-runner: ready\n');
 const payload = readPayload();
 // A fresh macrotask, so the user's stack traces do not start inside the runner.
 defer(() => {
-  stdio.install(payload.input);
   if (payload.egress !== null) installEgress(payload.egress);
+  const unixSockets = payload.egress === null ? [] : [payload.egress.socketPath];
+  if (payload.session) {
+    session.runSession({ stdio, gate, initial: payload.rest, unixSockets });
+    return;
+  }
+  stdio.install(payload.input);
   // The module gate: hardening of the module system and process (NODE_HARDENING.md, gate.js), after
   // the payload is read and before the user's module is compiled.
-  gate.install({ unixSockets: payload.egress === null ? [] : [payload.egress.socketPath] });
+  gate.install({ unixSockets });
   runUserModule(payload.code);
 });

@@ -75,13 +75,13 @@ function lockOn(object, key, value) {
   ObjectDefineProperty(object, key, { __proto__: null, value, writable: false, enumerable: true, configurable: false });
 }
 
-function outputStream(fd) {
+function outputStream(fd, write) {
   const stream = new Writable({
     __proto__: null,
     decodeStrings: true,
     write(chunk, _encoding, callback) {
       try {
-        writeAll(fd, chunk);
+        write(fd, chunk);
       } catch (error) {
         callback(error);
         return;
@@ -104,11 +104,12 @@ function inputStream(input) {
   });
 }
 
-// The program's process.stdin (its `input` bytes), process.stdout and process.stderr, locked.
-function install(input) {
+// The program's process.stdin (its `input` bytes), process.stdout and process.stderr, locked. `write(fd,
+// bytes)` puts the output on the wire: by default the bytes themselves; a session frames them.
+function install(input, write = writeAll) {
   lockOn(process, 'stdin', inputStream(input));
-  lockOn(process, 'stdout', outputStream(STDOUT));
-  lockOn(process, 'stderr', outputStream(STDERR));
+  lockOn(process, 'stdout', outputStream(STDOUT, write));
+  lockOn(process, 'stderr', outputStream(STDERR, write));
 }
 
 module.exports = ObjectFreeze({

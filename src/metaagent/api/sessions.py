@@ -1,0 +1,147 @@
+"""`/sessions`: stateful code interpreter sessions, their calls, and the files of their workspaces."""
+
+from __future__ import annotations
+
+import mimetypes
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import APIRouter, Body, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.convertors import Convertor, register_url_convertor
+
+from metaagent.access import current_caller
+from metaagent.api.deps import services, until_disconnect
+from metaagent.api.errors import error_responses
+from metaagent.sessions.models import (
+    FileDeleted,
+    FileList,
+    FileWritten,
+    SessionClosed,
+    SessionCreateRequest,
+    SessionExecuteRequest,
+    SessionList,
+    SessionRecord,
+)
+from metaagent.sessions.paths import workspace_path
+
+
+class _AnyPath(Convertor[str]):
+    """A file path, whatever it holds: the workspace rules decide, with a 400, never the router's 404."""
+
+    regex = r"[\s\S]*"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("anypath", _AnyPath())
+
+router = APIRouter(prefix="/sessions", tags=["sessions"])
+
+FILES_PREFIX = "/files/"
+
+
+@router.post(
+    "", status_code=201, summary="Open a session", operation_id="session_create",
+    responses=error_responses(400, 422, 429, 503),
+)  # fmt: skip
+async def create_session(request: Request, body: SessionCreateRequest | None = Body(default=None)) -> SessionRecord:  # noqa: B008 -- FastAPI's way to make a body optional
+    return await services(request).sessions.create(body or SessionCreateRequest(), current_caller())
+
+
+@router.get("", summary="The caller's open sessions")
+async def list_sessions(request: Request) -> SessionList:
+    return SessionList(sessions=services(request).sessions.list(current_caller()))
+
+
+@router.get("/{session_id}", summary="One session", responses=error_responses(404, 410))
+async def get_session(session_id: str, request: Request) -> SessionRecord:
+    return services(request).sessions.get(session_id, current_caller()).record()
+
+
+@router.delete("/{session_id}", summary="Close a session now", responses=error_responses(404, 410))
+async def close_session(session_id: str, request: Request) -> SessionClosed:
+    return await services(request).sessions.close(session_id, current_caller())
+
+
+@router.post(
+    "/{session_id}/execute",
+    summary="Run code in the session",
+    responses=error_responses(404, 410, 422, 429),
+)
+async def execute_in_session(session_id: str, body: SessionExecuteRequest, request: Request) -> JSONResponse:
+    response = await until_disconnect(
+        request, lambda: services(request).sessions.execute(session_id, body, current_caller())
+    )
+    return JSONResponse(response.model_dump(mode="json"))  # all of SessionExecuteResponse's fields
+
+
+@router.get("/{session_id}/files", summary="Every regular file in the workspace", responses=error_responses(404, 410))
+async def list_files(session_id: str, request: Request) -> FileList:
+    return await services(request).sessions.list_files(session_id, current_caller())
+
+
+@router.put(
+    "/{session_id}/files/{path:anypath}",
+    status_code=201,
+    summary="Write a file into the workspace (the raw body is its content)",
+    responses=error_responses(400, 404, 410, 413, 507),
+)
+async def put_file(session_id: str, path: str, request: Request) -> FileWritten:
+    checked = workspace_path(_raw_file_path(request, session_id, path))
+    return await services(request).sessions.put_file(session_id, checked, request.stream(), current_caller())
+
+
+@router.get(
+    "/{session_id}/files/{path:anypath}",
+    summary="Read a file of the workspace (its raw bytes)",
+    responses={**error_responses(400, 404, 410), 200: {"content": {"application/octet-stream": {}}}},
+    response_model=None,
+)
+async def get_file(session_id: str, path: str, request: Request) -> StreamingResponse:
+    checked = workspace_path(_raw_file_path(request, session_id, path))
+    opened = services(request).sessions.read_file(session_id, checked, current_caller())
+    download = await opened.__aenter__()
+    done = False
+
+    async def release() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            await opened.__aexit__(None, None, None)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in download.chunks:
+                yield chunk
+        finally:
+            with anyio.CancelScope(shield=True):
+                await release()
+
+    media_type = mimetypes.guess_type(checked.rsplit("/", 1)[-1])[0] or "application/octet-stream"
+
+    headers = {"Content-Length": str(download.size)}
+    return StreamingResponse(body(), media_type=media_type, headers=headers, background=BackgroundTask(release))
+
+
+@router.delete("/{session_id}/files/{path:anypath}", summary="Delete a file", responses=error_responses(400, 404, 410))
+async def delete_file(session_id: str, path: str, request: Request) -> FileDeleted:
+    checked = workspace_path(_raw_file_path(request, session_id, path))
+    return await services(request).sessions.delete_file(session_id, checked, current_caller())
+
+
+def _raw_file_path(request: Request, session_id: str, decoded: str) -> bytes:
+    """The file path as the client wrote it (percent-encoded), so that it is decoded exactly once, by the
+    workspace rules, whatever the server decoded for routing."""
+    raw: bytes | None = request.scope.get("raw_path")
+    marker = f"/sessions/{session_id}{FILES_PREFIX}".encode()
+    if raw is not None:
+        at = raw.find(marker)
+        if at != -1:
+            return raw[at + len(marker) :].split(b"?", 1)[0]
+    return decoded.encode("utf-8", "surrogateescape")

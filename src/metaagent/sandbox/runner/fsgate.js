@@ -1,0 +1,343 @@
+'use strict';
+// metaagent fs gate: in a session, the program's `fs` and `fs/promises`, confined to the session's
+// folders (/workspace and /tmp).
+//
+// Every function of the facade takes its paths through one check: a path (a string, a Buffer or a
+// file: URL, relative ones resolved against the process's cwd, which chdir keeps inside too) is turned
+// into one absolute, normalised string, checked to lie inside a root, and only that string is handed to
+// the real function, so that what was checked is what is opened. Links cannot be made (link, symlink),
+// and node has no way to make a FIFO or a device, so nothing in the folders can lead out of them.
+// Functions that take a descriptor accept only the ones this facade opened, and 0, 1 and 2: writes to 1
+// and 2 go to the program's own stdout and stderr, reads of 0 see an empty stdin. Any other path or
+// descriptor fails with an error whose code is ERR_METAAGENT_PATH_REFUSED, thrown by the synchronous
+// functions and passed to the callback or the promise of the others. A function this file does not
+// know is refused: a later node's additions stay out until someone looks at them.
+//
+// Everything here is captured when the runner loads, before any user code exists.
+
+const fs = require('fs');
+const pathModule = require('path');
+const { URL, fileURLToPath } = require('url');
+const { Buffer } = require('buffer');
+
+const ReflectApply = Reflect.apply;
+const ObjectCreate = Object.create;
+const ObjectDefineProperty = Object.defineProperty;
+const ObjectFreeze = Object.freeze;
+const ObjectKeys = Object.keys;
+const ObjectSetPrototypeOf = Object.setPrototypeOf;
+const ErrorCtor = Error;
+const ErrorCaptureStackTrace = Error.captureStackTrace;
+const SafeSet = Set;
+const SetPrototypeAdd = Set.prototype.add;
+const SetPrototypeHas = Set.prototype.has;
+const SetPrototypeDelete = Set.prototype.delete;
+const SafeWeakSet = WeakSet;
+const WeakSetPrototypeAdd = WeakSet.prototype.add;
+const WeakSetPrototypeHas = WeakSet.prototype.has;
+const PromiseReject = Promise.reject.bind(Promise);
+const PromisePrototypeThen = Promise.prototype.then;
+const StringPrototypeStartsWith = String.prototype.startsWith;
+const StringPrototypeIndexOf = String.prototype.indexOf;
+const BufferIsBuffer = Buffer.isBuffer;
+const BufferFrom = Buffer.from;
+const ArrayBufferIsView = ArrayBuffer.isView;
+const TextDecoderCtor = TextDecoder;
+const nextTick = process.nextTick;
+const processCwd = process.cwd;
+const processChdir = process.chdir;
+const pathResolve = pathModule.posix.resolve;
+const pathNormalize = pathModule.posix.normalize;
+const promises = fs.promises;
+
+const CODE_PATH_REFUSED = 'ERR_METAAGENT_PATH_REFUSED';
+const strictUtf8 = new TextDecoderCtor('utf-8', { fatal: true });
+
+function refusal(what, reason, callee) {
+  const error = new ErrorCtor(`${what}: ${reason}`);
+  if (typeof callee === 'function') ErrorCaptureStackTrace(error, callee);
+  ObjectDefineProperty(error, 'code', {
+    __proto__: null, value: CODE_PATH_REFUSED, enumerable: true, writable: true, configurable: true,
+  });
+  return error;
+}
+
+// The argument shapes of the functions, by name. p: a path; f: a descriptor; pf: a path or a descriptor
+// (readFile, writeFile...); ph: a path or a FileHandle (fs.promises' readFile, writeFile...).
+const SHAPES = {
+  __proto__: null,
+  access: ['p'], appendFile: ['pf'], chmod: ['p'], chown: ['p'], close: ['f'], copyFile: ['p', 'p'],
+  cp: ['p', 'p'], createReadStream: ['p?'], createWriteStream: ['p?'], exists: ['p'], fchmod: ['f'],
+  fchown: ['f'], fdatasync: ['f'], fstat: ['f'], fsync: ['f'], ftruncate: ['f'], futimes: ['f'],
+  lchown: ['p'], lstat: ['p'], lutimes: ['p'], mkdir: ['p'], mkdtemp: ['prefix'], open: ['p'],
+  opendir: ['p'], read: ['f'], readdir: ['p'], readFile: ['pf'], readlink: ['p'], readv: ['f'],
+  realpath: ['p'], rename: ['p', 'p'], rm: ['p'], rmdir: ['p'], stat: ['p'], statfs: ['p'],
+  truncate: ['pf'], unlink: ['p'], unwatchFile: ['p'], utimes: ['p'], watch: ['p'], watchFile: ['p'],
+  write: ['f'], writeFile: ['pf'], writev: ['f'],
+};
+const PROMISE_SHAPES = {
+  __proto__: null,
+  access: ['p'], appendFile: ['ph'], chmod: ['p'], chown: ['p'], copyFile: ['p', 'p'], cp: ['p', 'p'],
+  lchown: ['p'], lstat: ['p'], lutimes: ['p'], mkdir: ['p'], mkdtemp: ['prefix'], open: ['p'],
+  opendir: ['p'], readdir: ['p'], readFile: ['ph'], readlink: ['p'], realpath: ['p'], rename: ['p', 'p'],
+  rm: ['p'], rmdir: ['p'], stat: ['p'], statfs: ['p'], truncate: ['p'], unlink: ['p'], utimes: ['p'],
+  watch: ['p'], writeFile: ['ph'],
+};
+// Links: the only way to make a name in the folders lead out of them.
+const LINKS = ['link', 'symlink', 'lchmod'];
+// Plain values and classes that reach no path by themselves.
+const KEPT = ['constants', 'Dirent', 'Stats', 'Dir', '_toUnixTimestamp'];
+
+function createFsGate(roots, stdio) {
+  const rootList = [];
+  for (let i = 0; i < roots.length; i++) ObjectDefineProperty(rootList, i, { __proto__: null, value: roots[i], enumerable: true });
+  const rootsText = roots.join(' and ');
+  const opened = new SafeSet(); // descriptors this facade's open returned
+  const handles = new SafeWeakSet(); // FileHandles this facade's promises.open returned
+
+  function inside(absolute) {
+    for (let i = 0; i < rootList.length; i++) {
+      const root = rootList[i];
+      if (absolute === root || ReflectApply(StringPrototypeStartsWith, absolute, [`${root}/`])) return true;
+    }
+    return false;
+  }
+
+  // The absolute, normalised path a path argument names, or throws the refusal.
+  function checkedPath(value, what, callee) {
+    let text;
+    if (typeof value === 'string') {
+      text = value;
+    } else if (BufferIsBuffer(value) || (ArrayBufferIsView(value) && value.BYTES_PER_ELEMENT === 1)) {
+      try {
+        text = strictUtf8.decode(value);
+      } catch {
+        throw refusal(what, 'a path given as bytes must be UTF-8', callee);
+      }
+    } else if (value !== null && typeof value === 'object' && value.href && value.protocol !== undefined) {
+      try {
+        text = fileURLToPath(new URL(`${value.href}`));
+      } catch {
+        throw refusal(what, 'only file: URLs name files', callee);
+      }
+    } else {
+      throw refusal(what, 'a path must be a string, a Buffer or a file: URL', callee);
+    }
+    if (ReflectApply(StringPrototypeIndexOf, text, ['\u0000']) !== -1) throw refusal(what, 'a path cannot hold NUL', callee);
+    const absolute = pathNormalize(pathResolve(ReflectApply(processCwd, process, []), text));
+    if (!inside(absolute)) {
+      throw refusal(what, `${absolute} is outside ${rootsText}, the only folders a session's code may use`, callee);
+    }
+    return absolute;
+  }
+
+  function checkedDescriptor(value, what, callee) {
+    if (typeof value === 'number' && (value <= 2 || ReflectApply(SetPrototypeHas, opened, [value]))) return value;
+    throw refusal(what, `descriptor ${value} was not opened by this program's fs`, callee);
+  }
+
+  function checkedArgument(shape, value, what, callee) {
+    if (shape === 'p') return checkedPath(value, what, callee);
+    if (shape === 'p?') return value === null || value === undefined ? value : checkedPath(value, what, callee);
+    if (shape === 'f') return checkedDescriptor(value, what, callee);
+    if (shape === 'pf') return typeof value === 'number' ? checkedDescriptor(value, what, callee) : checkedPath(value, what, callee);
+    if (shape === 'ph') {
+      if (value !== null && typeof value === 'object' && ReflectApply(WeakSetPrototypeHas, handles, [value])) return value;
+      return checkedPath(value, what, callee);
+    }
+    // mkdtemp's prefix: the folder it names, with the random suffix, must be inside.
+    checkedPath(`${value}XXXXXX`, what, callee);
+    return value;
+  }
+
+  // A copy of stream options with their descriptor checked.
+  function checkedStreamOptions(options, what, callee) {
+    if (options === null || typeof options !== 'object') return options;
+    const copy = ObjectCreate(null);
+    const keys = ObjectKeys(options);
+    for (let i = 0; i < keys.length; i++) copy[keys[i]] = options[keys[i]];
+    if (copy.fd !== undefined && copy.fd !== null && typeof copy.fd === 'number') checkedDescriptor(copy.fd, what, callee);
+    ObjectSetPrototypeOf(copy, null);
+    return copy;
+  }
+
+  // fs.write and fs.writeSync on 1 and 2 go to the program's stdout and stderr; reads of 0 see EOF.
+  function stdioBytes(args) {
+    const data = args[1];
+    if (typeof data === 'string') return BufferFrom(data, typeof args[3] === 'string' ? args[3] : 'utf8');
+    if (ArrayBufferIsView(data)) {
+      const view = BufferFrom(data.buffer, data.byteOffset, data.byteLength);
+      const offset = typeof args[2] === 'number' ? args[2] : 0;
+      const length = typeof args[3] === 'number' ? args[3] : view.length - offset;
+      return view.subarray(offset, offset + length);
+    }
+    return BufferFrom(`${data}`);
+  }
+
+  function gatedSync(name, original, shapes) {
+    const what = `fs.${name}`;
+    const gated = {
+      [name](...args) {
+        for (let i = 0; i < shapes.length; i++) args[i] = checkedArgument(shapes[i], args[i], what, gated);
+        if (name === 'createReadStream' || name === 'createWriteStream') args[1] = checkedStreamOptions(args[1], what, gated);
+        if (shapes[0] === 'f' && args[0] <= 2) return stdioSync(name, args, what, gated);
+        const result = ReflectApply(original, fs, args);
+        if (name === 'openSync') ReflectApply(SetPrototypeAdd, opened, [result]);
+        if (name === 'closeSync') ReflectApply(SetPrototypeDelete, opened, [args[0]]);
+        return result;
+      },
+    }[name];
+    return gated;
+  }
+
+  function stdioSync(name, args, what, callee) {
+    if (name === 'writeSync' && args[0] >= 1) {
+      const bytes = stdioBytes(args);
+      stdio.write(args[0], bytes);
+      return bytes.length;
+    }
+    if (name === 'readSync' && args[0] === 0) return 0;
+    throw refusal(what, `descriptor ${args[0]} is the program's stdio, which only write (1, 2) and read (0) reach`, callee);
+  }
+
+  function gatedCallback(name, original, shapes) {
+    const what = `fs.${name}`;
+    const gated = {
+      [name](...args) {
+        const last = args.length - 1;
+        const callback = typeof args[last] === 'function' ? args[last] : undefined;
+        try {
+          for (let i = 0; i < shapes.length; i++) args[i] = checkedArgument(shapes[i], args[i], what, gated);
+          if (shapes[0] === 'f' && args[0] <= 2) {
+            const syncName = `${name}Sync`;
+            const result = stdioSync(syncName, args, what, gated);
+            if (callback !== undefined) ReflectApply(nextTick, process, [callback, null, result, args[1]]);
+            return undefined;
+          }
+        } catch (error) {
+          if (callback === undefined || name === 'watch' || name === 'watchFile' || name === 'unwatchFile') throw error;
+          ReflectApply(nextTick, process, [callback, error]);
+          return undefined;
+        }
+        if (name === 'open' && callback !== undefined) {
+          args[last] = function opened_(error, fd) {
+            if (!error) ReflectApply(SetPrototypeAdd, opened, [fd]);
+            return ReflectApply(callback, this, [error, fd]);
+          };
+        }
+        if (name === 'close') ReflectApply(SetPrototypeDelete, opened, [args[0]]);
+        return ReflectApply(original, fs, args);
+      },
+    }[name];
+    return gated;
+  }
+
+  function gatedPromise(name, original, shapes) {
+    const what = `fs.promises.${name}`;
+    const gated = {
+      [name](...args) {
+        try {
+          for (let i = 0; i < shapes.length; i++) args[i] = checkedArgument(shapes[i], args[i], what, gated);
+        } catch (error) {
+          if (name === 'watch') throw error;
+          return PromiseReject(error);
+        }
+        const result = ReflectApply(original, promises, args);
+        if (name !== 'open') return result;
+        return ReflectApply(PromisePrototypeThen, result, [(handle) => {
+          ReflectApply(WeakSetPrototypeAdd, handles, [handle]);
+          return handle;
+        }]);
+      },
+    }[name];
+    return gated;
+  }
+
+  function refusedLink(name, flavour) {
+    const what = `fs.${flavour === 'promise' ? 'promises.' : ''}${name}`;
+    const refused = {
+      [name](...args) {
+        const error = refusal(what, 'links cannot be made in a session (they could lead out of its folders)', refused);
+        if (flavour === 'promise') return PromiseReject(error);
+        const callback = args[args.length - 1];
+        if (flavour === 'callback' && typeof callback === 'function') {
+          ReflectApply(nextTick, process, [callback, error]);
+          return undefined;
+        }
+        throw error;
+      },
+    }[name];
+    return refused;
+  }
+
+  function refusedUnknown(name) {
+    const refused = {
+      [name]() {
+        throw refusal(`fs.${name}`, 'this file-system function is not available in a session', refused);
+      },
+    }[name];
+    return refused;
+  }
+
+  // The stream classes, constructible directly: their path is checked as createReadStream's is.
+  function gatedStreamClass(name, Original) {
+    const what = `fs.${name}`;
+    const Gated = {
+      [name]: class extends Original {
+        constructor(path, options) {
+          super(path === null || path === undefined ? path : checkedPath(path, what), checkedStreamOptions(options, what));
+        }
+      },
+    }[name];
+    return Gated;
+  }
+
+  const facade = ObjectCreate(null);
+  const names = ObjectKeys(fs);
+  for (let i = 0; i < names.length; i++) {
+    const name = names[i];
+    const value = fs[name];
+    const sync = name.length > 4 && name.slice(-4) === 'Sync';
+    const base = sync ? name.slice(0, -4) : name;
+    let gated;
+    if (name === 'promises') continue;
+    if (KEPT.includes(name)) gated = value;
+    else if (name === 'ReadStream' || name === 'FileReadStream') gated = gatedStreamClass(name, fs.ReadStream);
+    else if (name === 'WriteStream' || name === 'FileWriteStream') gated = gatedStreamClass(name, fs.WriteStream);
+    else if (LINKS.includes(base)) gated = refusedLink(name, sync ? 'sync' : 'callback');
+    else if (SHAPES[base] !== undefined && typeof value === 'function') {
+      gated = sync || base === 'createReadStream' || base === 'createWriteStream' || base === 'watch' ||
+        base === 'watchFile' || base === 'unwatchFile'
+        ? gatedSync(name, value, SHAPES[base])
+        : gatedCallback(name, value, SHAPES[base]);
+      if (typeof value.native === 'function') {
+        const native = sync ? gatedSync(name, value.native, SHAPES[base]) : gatedCallback(name, value.native, SHAPES[base]);
+        ObjectDefineProperty(gated, 'native', { __proto__: null, value: native, enumerable: true, writable: true, configurable: true });
+      }
+    } else if (typeof value === 'function') gated = refusedUnknown(name);
+    else gated = value;
+    ObjectDefineProperty(facade, name, { __proto__: null, value: gated, enumerable: true, writable: true, configurable: true });
+  }
+  const promiseFacade = ObjectCreate(null);
+  const promiseNames = ObjectKeys(promises);
+  for (let i = 0; i < promiseNames.length; i++) {
+    const name = promiseNames[i];
+    const value = promises[name];
+    let gated;
+    if (name === 'constants') gated = value;
+    else if (LINKS.includes(name)) gated = refusedLink(name, 'promise');
+    else if (PROMISE_SHAPES[name] !== undefined) gated = gatedPromise(name, value, PROMISE_SHAPES[name]);
+    else gated = typeof value === 'function' ? refusedUnknown(`promises.${name}`) : value;
+    ObjectDefineProperty(promiseFacade, name, { __proto__: null, value: gated, enumerable: true, writable: true, configurable: true });
+  }
+  ObjectDefineProperty(facade, 'promises', { __proto__: null, value: promiseFacade, enumerable: true, writable: true, configurable: true });
+
+  // process.chdir: inside the folders only, so that relative paths stay inside too.
+  function chdir(directory) {
+    return ReflectApply(processChdir, process, [checkedPath(directory, 'process.chdir', chdir)]);
+  }
+
+  return ObjectFreeze({ __proto__: null, fs: facade, promises: promiseFacade, chdir, checkedPath });
+}
+
+module.exports = ObjectFreeze({ __proto__: null, createFsGate, CODE_PATH_REFUSED });

@@ -1,0 +1,435 @@
+"""A session's container, seen from the service: its runner's frames in, requests out.
+
+One reader task per session reads the attach stream for the session's whole life (`run`): the runner's
+frames come on stdout (session_wire.py), raw writes to fd 2 on stderr. Output goes to the call that
+runs, or, between calls (a timer of an earlier call), to the next call. Replies wake the request that
+waits for them; a download's bytes go to its consumer through a bounded stream, so a slow client slows
+the runner rather than the service's memory.
+
+Calls and file requests are made one at a time (the session service serialises them). A call that does
+not end at its deadline, or that is killed, is interrupted with SIGINT; if the runner does not answer
+within the grace period the container is killed and the session ends.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from metaagent.errors import sole_error
+from metaagent.executions import Execution
+from metaagent.sandbox import session_wire as wire
+from metaagent.sandbox.engine import Engine
+from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Prepared, first_of
+from metaagent.sandbox.output import CappedBuffer
+
+log = logging.getLogger("metaagent.session")
+
+# Output text as it passes the caps, for streaming: (stream, text), stream "stdout" or "stderr".
+OutputListener = Callable[[str, str], None]
+
+READY_TIMEOUT_S = 30.0
+_DOWNLOAD_BUFFER_FRAMES = 16  # frames of 64 KiB held between the runner and a download's client
+_HEAP_EXHAUSTED = "JavaScript heap out of memory"
+
+
+class SessionGone(Exception):
+    """The session's process or container ended; `reason` says how (exited, oom, timeout, killed...)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class FileRefused(Exception):
+    """The runner refused a file request: `kind` is bad_path, not_found, is_folder, not_a_folder, full."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+@dataclass
+class CallOutput:
+    """A call's capped output, passed on to a listener (for streaming) as it arrives."""
+
+    listener: OutputListener | None = None
+    stdout: CappedBuffer = field(default_factory=lambda: CappedBuffer(STDOUT_CAP))
+    stderr: CappedBuffer = field(default_factory=lambda: CappedBuffer(STDERR_CAP))
+    _decoders: dict[str, codecs.IncrementalDecoder] = field(default_factory=dict)
+
+    def add(self, stream: str, data: bytes) -> None:
+        buffer = self.stdout if stream == "stdout" else self.stderr
+        room = max(0, buffer.cap - len(buffer.kept))
+        buffer.add(data)
+        if self.listener is not None and room > 0:
+            decoder = self._decoders.setdefault(stream, codecs.getincrementaldecoder("utf-8")("replace"))
+            text = decoder.decode(data[:room], final=len(data) >= room)
+            if text:
+                self.listener(stream, text)
+
+
+@dataclass(frozen=True)
+class CallOutcome:
+    status: str  # ok, threw, interrupted, ended
+    stdout: CappedBuffer
+    stderr: CappedBuffer
+    duration_ms: int
+    result: str | None = None
+    result_bytes: int = 0
+    timed_out: bool = False
+    killed: bool = False
+    ended: str | None = None  # the session's end reason, when the call ended it
+    exit_code: int | None = None  # the process's own code, when the call ended it
+    oom_killed: bool = False
+
+
+@dataclass(frozen=True)
+class Download:
+    size: int
+    modified_at: str
+    chunks: AsyncIterator[bytes]
+    close: Callable[[], Awaitable[None]]  # stops taking the bytes (the rest are dropped as they come)
+
+
+class _Pending:
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.message: dict[str, Any] = {}
+
+    def settle(self, message: dict[str, Any]) -> None:
+        self.message = message
+        self.done.set()
+
+
+class _DownloadStream:
+    def __init__(self, request_id: int) -> None:
+        self.id = request_id
+        self.begun = anyio.Event()
+        self.size = 0
+        self.modified_at = ""
+        self.received = 0
+        self.send: MemoryObjectSendStream[bytes | None]
+        self.receive: MemoryObjectReceiveStream[bytes | None]
+        self.send, self.receive = anyio.create_memory_object_stream[bytes | None](_DOWNLOAD_BUFFER_FRAMES)
+        self.abandoned = False
+
+
+class SessionContainer:
+    def __init__(self, engine: Engine, prepared: Prepared, *, grace_s: float, file_timeout_s: float) -> None:
+        self.engine = engine
+        self.prepared = prepared
+        self.grace_s = grace_s
+        # A file request the runner does not begin to answer in this time (its event loop is blocked by
+        # the program) ends the session.
+        self.file_timeout_s = file_timeout_s
+        self.container_id = prepared.container_id
+        self.ended = anyio.Event()
+        self.end_reason: str | None = None
+        self.exit_code: int | None = None
+        self.oom_killed = False
+        self._decoder = wire.FrameDecoder()
+        self._output = CallOutput()  # between calls: kept for the next call
+        self._pending: dict[int, _Pending] = {}
+        self._download: _DownloadStream | None = None
+        self._next_id = 1
+        self._exited = anyio.Event()
+        self._drained = anyio.Event()  # the reader took the last bytes of the stream
+        self._raw_stderr = _RawStderr(self)
+        prepared.output.redirect(self._decoder, self._raw_stderr)
+
+    # --- the session's life ---
+
+    async def run(self, header: bytes, *, on_ready: Callable[[], None]) -> None:
+        """Sends the session header, waits for the runner's ready reply (then calls `on_ready`), and reads
+        the stream until the session ends. Raises SessionGone if the runner does not become ready."""
+        ready = self._expect(0)
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._watch_exit)
+                group.start_soon(self._read)
+                await self._send(header)
+                with anyio.move_on_after(READY_TIMEOUT_S):
+                    await first_of(ready.done, self.ended)
+                if not ready.done.is_set():
+                    await self.kill("exited")
+                    raise SessionGone(self.end_reason or "exited")
+                on_ready()
+                await self.ended.wait()
+                group.cancel_scope.cancel()
+        except BaseExceptionGroup as group_error:
+            raise sole_error(group_error) from None
+        finally:
+            self.prepared.sock.close()
+            with anyio.CancelScope(shield=True):
+                await self.engine.remove(self.container_id)
+
+    async def kill(self, reason: str) -> None:
+        """Ends the session now: the container is killed (and removed once the reader stops)."""
+        if self.end_reason is None:
+            self.end_reason = reason
+        with anyio.CancelScope(shield=True):
+            await self.engine.kill(self.container_id, "SIGKILL")
+            with anyio.move_on_after(30):
+                await self._exited.wait()
+        self._end(reason)
+
+    def _end(self, reason: str) -> None:
+        if self.end_reason is None:
+            self.end_reason = reason
+        if self._download is not None:
+            self._download.send.close()
+        for pending in self._pending.values():
+            pending.done.set()
+        self.ended.set()
+
+    async def _watch_exit(self) -> None:
+        status = await self.engine.wait(self.container_id)
+        state = await self.engine.state(self.container_id)
+        self.exit_code = status
+        with anyio.move_on_after(5):  # what the process wrote last (V8's heap message) is still in flight
+            await self._drained.wait()
+        heap = _HEAP_EXHAUSTED in self._output.stderr.kept.decode("utf-8", "replace")
+        self.oom_killed = state.oom_killed or heap
+        self._exited.set()
+        self._end("oom" if self.oom_killed else "exited")
+
+    async def _read(self) -> None:
+        try:
+            while await self.prepared.read_some():
+                await self._dispatch(self._decoder.take())
+        except wire.WireError as exc:
+            log.warning("session container %s broke the protocol (%s); ending it", self.container_id[:12], exc)
+            self.end_reason = "killed"
+            await self.engine.kill(self.container_id, "SIGKILL")
+        self._drained.set()  # the end itself is _watch_exit's to tell (exited or oom)
+
+    async def _dispatch(self, frames: list[wire.Frame]) -> None:
+        for frame in frames:
+            if frame.kind == wire.STDOUT:
+                self._output.add("stdout", frame.payload)
+            elif frame.kind == wire.STDERR:
+                self._output.add("stderr", frame.payload)
+            elif frame.kind == wire.REPLY:
+                pending = self._pending.pop(frame.id or 0, None)
+                if pending is not None:
+                    pending.settle(frame.message or {})
+            else:
+                await self._to_download(frame)
+
+    async def _to_download(self, frame: wire.Frame) -> None:
+        download = self._download
+        if download is None:
+            raise wire.WireError(f"file data ({frame.kind!r}) with no download requested")
+        if frame.kind == wire.FILE:
+            message = frame.message or {}
+            size, modified = message.get("size"), message.get("modified_at")
+            if frame.id != download.id or type(size) is not int or size < 0 or not isinstance(modified, str):
+                raise wire.WireError("a file header that does not match the request")
+            download.size, download.modified_at = size, modified[:64]
+            download.begun.set()
+        elif frame.kind == wire.DATA:
+            download.received += len(frame.payload)
+            if not download.begun.is_set() or download.received > download.size:
+                raise wire.WireError("more file bytes than the file's size")
+            if not download.abandoned:
+                try:
+                    await download.send.send(frame.payload)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    download.abandoned = True
+        else:  # END
+            self._download = None
+            if not download.abandoned:
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await download.send.send(None)
+            download.send.close()
+
+    # --- requests ---
+
+    def _expect(self, request_id: int) -> _Pending:
+        pending = _Pending()
+        self._pending[request_id] = pending
+        return pending
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    async def _send(self, data: bytes) -> None:
+        try:
+            await self.prepared.send(data)
+        except OSError:
+            await self.kill("exited")
+            raise SessionGone(self.end_reason or "exited") from None
+
+    async def call(
+        self, code: str, timeout_s: float, execution: Execution, listener: OutputListener | None = None
+    ) -> CallOutcome:
+        """Runs one call's code; interrupts it at its deadline or when the execution is killed."""
+        if self.ended.is_set():
+            raise SessionGone(self.end_reason or "exited")
+        request_id = self._new_id()
+        pending = self._expect(request_id)
+        output = self._output
+        output.listener = listener
+        if listener is not None:  # what came between calls, first
+            for stream, buffer in (("stdout", output.stdout), ("stderr", output.stderr)):
+                if buffer.kept:
+                    listener(stream, bytes(buffer.kept).decode("utf-8", "replace"))
+        started = time.monotonic()
+        execution.state = "running"
+        await self._send(wire.request(wire.EXECUTE, id=request_id, code=code))
+        timed_out = killed = False
+        try:
+            with anyio.move_on_after(timeout_s):
+                await first_of(pending.done, self.ended, execution.kill_requested)
+        except anyio.get_cancelled_exc_class():  # the caller hung up: the call is interrupted, as a kill
+            with anyio.CancelScope(shield=True):
+                await self._interrupt(pending, "killed")
+            raise
+        if not pending.done.is_set() and not self.ended.is_set():
+            killed = execution.kill_requested.is_set()
+            timed_out = not killed
+            execution.state = "stopping"
+            await self._interrupt(pending, "killed" if killed else "timeout")
+        duration_ms = int((time.monotonic() - started) * 1000)
+        self._output = CallOutput()
+        output.listener = None
+        message = pending.message
+        if self.ended.is_set() and not message:
+            with anyio.move_on_after(5):
+                await self._exited.wait()
+            return CallOutcome(
+                "ended", output.stdout, output.stderr, duration_ms, timed_out=timed_out, killed=killed,
+                ended=self.end_reason, exit_code=self.exit_code, oom_killed=self.oom_killed,
+            )  # fmt: skip
+        status = message.get("status")
+        result = message.get("result")
+        result_bytes = message.get("result_bytes")
+        return CallOutcome(
+            status if status in ("ok", "threw", "interrupted") else "threw",
+            output.stdout,
+            output.stderr,
+            duration_ms,
+            result=result if isinstance(result, str) else None,
+            result_bytes=result_bytes if type(result_bytes) is int and result_bytes >= 0 else 0,
+            timed_out=timed_out and status == "interrupted",
+            killed=killed and status == "interrupted",
+        )
+
+    async def _interrupt(self, pending: _Pending, reason: str) -> None:
+        """SIGINT to the runner; if the call does not answer within the grace period, the session ends."""
+        await self.engine.kill(self.container_id, "SIGINT")
+        with anyio.move_on_after(self.grace_s):
+            await first_of(pending.done, self.ended)
+        if not pending.done.is_set() and not self.ended.is_set():
+            await self.kill(reason)
+
+    async def _reply(self, request_id: int, pending: _Pending) -> dict[str, Any]:
+        with anyio.move_on_after(self.file_timeout_s):
+            await first_of(pending.done, self.ended)
+        if not pending.done.is_set() or not pending.message:
+            if not self.ended.is_set():
+                await self.kill("timeout")
+            raise SessionGone(self.end_reason or "exited")
+        message = pending.message
+        if message.get("status") == "error":
+            raise FileRefused(str(message.get("error", "failed"))[:32], str(message.get("message", ""))[:300])
+        return message
+
+    async def put(self, path: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
+        """Streams a file's bytes into the workspace; returns the size. Raises FileRefused, or
+        `FileTooLarge` past `max_bytes` (the runner then drops what it had)."""
+        request_id = self._new_id()
+        pending = self._expect(request_id)
+        await self._send(wire.request(wire.PUT, id=request_id, path=path))
+        size = 0
+        try:
+            async for chunk in chunks:
+                if pending.done.is_set():
+                    break  # refused at once (a folder, a bad path): the rest is not sent
+                size += len(chunk)
+                if size > max_bytes:
+                    raise FileTooLarge(max_bytes)
+                for data in wire.data_frames(chunk):
+                    await self._send(data)
+        except BaseException:
+            self._pending.pop(request_id, None)
+            if not self.ended.is_set():
+                with anyio.CancelScope(shield=True):
+                    await self._send(wire.request(wire.ABORT, id=request_id))
+            raise
+        if not pending.done.is_set():
+            await self._send(wire.request(wire.END, id=request_id))
+        await self._reply(request_id, pending)
+        return size
+
+    async def get(self, path: str) -> Download:
+        request_id = self._new_id()
+        pending = self._expect(request_id)
+        download = _DownloadStream(request_id)
+        self._download = download
+        await self._send(wire.request(wire.GET, id=request_id, path=path))
+        with anyio.move_on_after(self.file_timeout_s):
+            await first_of(download.begun, pending.done, self.ended)
+        if not download.begun.is_set():
+            self._download = None
+            await self._reply(request_id, pending)  # raises: refused, or the session ended
+        self._pending.pop(request_id, None)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in download.receive:
+                    if chunk is None:
+                        return
+                    yield chunk
+                raise SessionGone(self.end_reason or "exited")  # the stream closed before the end
+            finally:
+                download.abandoned = True
+                download.receive.close()
+
+        async def close() -> None:
+            download.abandoned = True
+            download.receive.close()
+
+        return Download(download.size, download.modified_at, chunks(), close)
+
+    async def list(self) -> dict[str, Any]:
+        request_id = self._new_id()
+        pending = self._expect(request_id)
+        await self._send(wire.request(wire.LIST, id=request_id))
+        return await self._reply(request_id, pending)
+
+    async def delete(self, path: str) -> None:
+        request_id = self._new_id()
+        pending = self._expect(request_id)
+        await self._send(wire.request(wire.DELETE, id=request_id, path=path))
+        await self._reply(request_id, pending)
+
+
+class FileTooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.limit = limit
+
+
+class _RawStderr:
+    """fd 2 written around the program's streams (process._rawDebug, node's own fatal messages)."""
+
+    def __init__(self, session: SessionContainer) -> None:
+        self._session = session
+
+    def add(self, data: bytes) -> None:
+        self._session._output.add("stderr", data)
+
+
+__all__ = ["CallOutcome", "Download", "FileRefused", "FileTooLarge", "SessionContainer", "SessionGone"]

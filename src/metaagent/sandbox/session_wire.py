@@ -1,0 +1,92 @@
+"""The wire between the service and a session's runner (runner/session.js says the same from its side).
+
+Frames, both ways: one type byte, a 32-bit big-endian length, then that many bytes. Requests go on the
+container's stdin; the runner's frames come on its stdout. The program shares the runner's process and
+can write anything there, so every frame from the runner is checked here: a known type, a bounded
+length, JSON that is an object with an integer id. Anything else is a `WireError`, and the session it
+came from is ended; a frame can only ever confuse its own session.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+HEADER = struct.Struct(">cI")
+CHUNK = 64 * 1024  # file bytes per frame, both ways
+# The longest frame the runner may send: a listing of 10,000 files fits, with room.
+MAX_FRAME = 8 * 1024 * 1024
+
+STDOUT, STDERR, REPLY, FILE, DATA, END = b"o", b"e", b"r", b"f", b"d", b"z"
+_JSON_TYPES = frozenset({REPLY, FILE, END})
+_KNOWN = frozenset({STDOUT, STDERR, REPLY, FILE, DATA, END})
+
+EXECUTE, PUT, ABORT, GET, LIST, DELETE = b"x", b"p", b"a", b"g", b"l", b"D"
+
+
+class WireError(Exception):
+    """The runner's stream broke the protocol."""
+
+
+def encode(kind: bytes, payload: bytes) -> bytes:
+    return HEADER.pack(kind, len(payload)) + payload
+
+
+def request(kind: bytes, **fields: Any) -> bytes:
+    return encode(kind, json.dumps(fields, ensure_ascii=False).encode())
+
+
+def data_frames(chunk: bytes) -> list[bytes]:
+    """File bytes as DATA frames of at most CHUNK bytes each."""
+    return [encode(DATA, chunk[i : i + CHUNK]) for i in range(0, len(chunk), CHUNK)]
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: bytes
+    payload: bytes
+    message: dict[str, Any] | None = None  # the decoded JSON of REPLY, FILE and END frames
+
+    @property
+    def id(self) -> int | None:
+        return None if self.message is None else int(self.message["id"])
+
+
+class FrameDecoder:
+    """Turns the runner's stdout bytes into frames (`add` them as they come, `take` the frames complete so
+    far); raises WireError. A byte sink for the Demultiplexer's stdout."""
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+        self._frames: list[Frame] = []
+
+    def take(self) -> list[Frame]:
+        frames, self._frames = self._frames, []
+        return frames
+
+    def add(self, data: bytes) -> None:
+        self._pending += data
+        while len(self._pending) >= HEADER.size:
+            kind, length = HEADER.unpack_from(self._pending)
+            if kind not in _KNOWN:
+                raise WireError(f"a frame of unknown type {kind!r}")
+            if length > MAX_FRAME:
+                raise WireError(f"a frame of {length} bytes")
+            end = HEADER.size + length
+            if len(self._pending) < end:
+                return
+            payload = bytes(self._pending[HEADER.size : end])
+            del self._pending[:end]
+            self._frames.append(Frame(kind, payload, _message(payload) if kind in _JSON_TYPES else None))
+
+
+def _message(payload: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(payload)
+    except (ValueError, RecursionError):
+        raise WireError("a reply that is not JSON") from None
+    if not isinstance(message, dict) or type(message.get("id")) is not int:
+        raise WireError("a reply without an integer id")
+    return message

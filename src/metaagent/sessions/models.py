@@ -1,0 +1,110 @@
+"""The session resource's request and answer models: they validate requests and make OpenAPI, the tool
+schemas of session_create and session_close, and the docs."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from metaagent.tools.code_interpreter import (
+    DEFAULT_MEMORY_MB,
+    MAX_CODE_BYTES,
+    CodeInterpreterResponse,
+    Language,
+    NetworkPolicy,
+)
+
+SessionState = Literal["idle", "busy"]
+
+
+class SessionCreateRequest(BaseModel):
+    """Open a session: one long-lived, isolated JavaScript (Node.js 18) context for several calls.
+
+    What one call defines (variables, functions, classes, imports) later calls see; top-level await
+    works; each call answers the value of its last expression as `result`. The session has a private
+    /workspace (its cwd; upload and download files there), and fs works inside /workspace and /tmp.
+    Run code in it with code_interpreter and its session_id; close it with session_close when done (it
+    also ends after idle_timeout_s without a call).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    language: Language = Field(default="javascript", description="javascript (Node.js 18); python is not served yet.")
+    memory_mb: int = Field(default=DEFAULT_MEMORY_MB, ge=64, le=1024, description="Memory limit in MiB (no swap).")
+    packages: list[str] = Field(
+        default_factory=list, max_length=16, description="npm packages from the package allow-list."
+    )
+    network: NetworkPolicy | None = Field(default=None, description="Egress for the code; null means no network.")
+    idle_timeout_s: int = Field(
+        default=600, ge=10, le=3600, description="The session ends this long (seconds) after its last use."
+    )
+
+
+class SessionRecord(BaseModel):
+    session_id: str
+    language: Language
+    memory_mb: int
+    packages: list[str]
+    network: NetworkPolicy | None
+    idle_timeout_s: int
+    created_at: datetime
+    last_used_at: datetime
+    expires_at: datetime
+    state: SessionState
+    executions: int
+
+
+class SessionList(BaseModel):
+    sessions: list[SessionRecord]
+
+
+class SessionExecuteRequest(BaseModel):
+    """Run code in the session's context: its state persists from call to call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    code: str = Field(min_length=1, max_length=MAX_CODE_BYTES, description="JavaScript source.")
+    timeout_s: int = Field(default=8, ge=1, le=300, description="Wall-clock limit of this call in seconds.")
+
+
+class SessionExecuteResponse(CodeInterpreterResponse):
+    session_id: str
+    result: str | None = Field(description="The value of the last expression, as the Node.js REPL shows it.")
+    result_truncated: bool
+    session_ended: bool = Field(description="The call ended the session (its process exited, or it was killed).")
+
+
+class SessionCloseRequest(BaseModel):
+    """Close a session: its container and workspace are gone once this answers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str = Field(max_length=64)
+
+
+class SessionClosed(BaseModel):
+    session_id: str
+    closed: bool = True
+
+
+class FileWritten(BaseModel):
+    path: str
+    size: int
+    sha256: str
+
+
+class FileInfo(BaseModel):
+    path: str
+    size: int
+    modified_at: datetime
+
+
+class FileList(BaseModel):
+    files: list[FileInfo]
+
+
+class FileDeleted(BaseModel):
+    path: str
+    deleted: bool = True

@@ -1,0 +1,43 @@
+"""The path of a workspace file, as the file routes take it: relative to /workspace, read after
+percent-decoding, valid UTF-8, `/`-separated segments of 1..255 bytes, none `.` or `..`, no NUL or
+control character (C0, DEL, C1), at most 1024 bytes in all. Anything else is a 400 that says why."""
+
+from __future__ import annotations
+
+from urllib.parse import unquote_to_bytes
+
+from metaagent.errors import RequestRefused
+
+MAX_PATH_BYTES = 1024
+MAX_SEGMENT_BYTES = 255
+
+
+def workspace_path(raw: bytes) -> str:
+    """The checked path a percent-encoded request path names; raises RequestRefused (400)."""
+    data = unquote_to_bytes(raw)
+    if not data:
+        raise _refused("it is empty; name a file, e.g. data/input.csv")
+    try:
+        path = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _refused("it is not valid UTF-8 once percent-decoded") from None
+    if len(data) > MAX_PATH_BYTES:
+        raise _refused(f"it is {len(data)} bytes long; at most {MAX_PATH_BYTES}")
+    if path.startswith("/"):
+        raise _refused("it is absolute; paths are relative to /workspace (drop the leading /)")
+    for segment in path.split("/"):
+        if segment == "":
+            raise _refused("it has an empty segment (a doubled or trailing /)")
+        if segment in (".", ".."):
+            raise _refused(f"it has a {segment!r} segment; name the file itself")
+        if len(segment.encode()) > MAX_SEGMENT_BYTES:
+            raise _refused(f"a segment is longer than {MAX_SEGMENT_BYTES} bytes")
+        for char in segment:
+            code = ord(char)
+            if code < 0x20 or 0x7F <= code <= 0x9F:
+                raise _refused(f"it holds the control character U+{code:04X}")
+    return path
+
+
+def _refused(why: str) -> RequestRefused:
+    return RequestRefused(f"Invalid workspace path: {why}")

@@ -1,0 +1,572 @@
+"""The sessions of this service: their containers, their calls and file requests, and their ends.
+
+A session is created on a warm container when it asks for the pool's configuration, else on a new one,
+with the same container spec, limits and audit as a one-shot execution (`tools.code_interpreter`), and
+the workspace. Its calls and file requests run one at a time, in arrival order; at most
+`queue_size` wait (429 past that). It ends when it is closed, idle past its `idle_timeout_s`, past the
+lifetime cap, when its process ends, or when the service stops; for an hour afterwards its id answers
+410 with the reason. To every caller but its owner (the API key that created it) it does not exist
+(404), open or ended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from metaagent.audit import AuditLog
+from metaagent.errors import (
+    AtCapacity,
+    Gone,
+    InsufficientStorage,
+    NotFound,
+    PayloadTooLarge,
+    RequestRefused,
+    Unavailable,
+    UpstreamTimeout,
+)
+from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
+from metaagent.sandbox.execute import STDOUT_CAP, prepare, session_payload, wait_ready
+from metaagent.sandbox.output import utf8_boundary
+from metaagent.sandbox.session_container import (
+    CallOutcome,
+    Download,
+    FileRefused,
+    FileTooLarge,
+    OutputListener,
+    SessionContainer,
+    SessionGone,
+)
+from metaagent.sessions.models import (
+    FileDeleted,
+    FileInfo,
+    FileList,
+    FileWritten,
+    SessionClosed,
+    SessionCreateRequest,
+    SessionExecuteRequest,
+    SessionExecuteResponse,
+    SessionRecord,
+)
+from metaagent.tools.code_interpreter import CodeInterpreter, code_fields, container_spec, refuse_unserved_language
+
+log = logging.getLogger("metaagent.sessions")
+
+TOMBSTONE_S = 2 * 3600  # the contract asks for "at least an hour"
+MAX_TOMBSTONES = 100_000
+RESULT_CAP = STDOUT_CAP
+_REAP_INTERVAL_S = 1.0
+# Ends the service caused, as opposed to the process ending by itself: a call cut by one was killed.
+_SERVICE_ENDS = frozenset({"closed", "idle", "lifetime", "killed", "stopped", "timeout"})
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    max_sessions: int
+    per_key: int
+    queue_size: int
+    max_lifetime_s: int
+    max_file_bytes: int
+    file_timeout_s: float = 30.0
+
+
+@dataclass
+class Session:
+    session_id: str
+    owner: str | None
+    config: SessionCreateRequest
+    created_at: datetime
+    created_mono: float
+    lifetime_s: int
+    container: SessionContainer | None = None
+    last_used_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    last_used_mono: float = field(default_factory=time.monotonic)
+    executions: int = 0
+    busy: bool = False
+    waiting: int = 0
+    # Not a Lock: a download holds it from the request's task to its response's.
+    turn: anyio.Semaphore = field(default_factory=lambda: anyio.Semaphore(1))
+    resources: AsyncExitStack = field(default_factory=AsyncExitStack)
+    retired: anyio.Event = field(default_factory=anyio.Event)
+    container_path: str = "cold"
+
+    def expires_at(self) -> datetime:
+        idle = self.last_used_at + timedelta(seconds=self.config.idle_timeout_s)
+        return min(idle, self.created_at + timedelta(seconds=self.lifetime_s))
+
+    def record(self) -> SessionRecord:
+        return SessionRecord(
+            session_id=self.session_id,
+            language=self.config.language,
+            memory_mb=self.config.memory_mb,
+            packages=self.config.packages,
+            network=self.config.network,
+            idle_timeout_s=self.config.idle_timeout_s,
+            created_at=self.created_at,
+            last_used_at=self.last_used_at,
+            expires_at=self.expires_at(),
+            state="busy" if self.busy else "idle",
+            executions=self.executions,
+        )
+
+
+@dataclass(frozen=True)
+class Ended:
+    owner: str | None
+    reason: str
+    at: float
+
+
+def new_session_id() -> str:
+    return f"ses_{secrets.token_hex(12)}"
+
+
+class Sessions:
+    def __init__(
+        self,
+        interpreter: CodeInterpreter,
+        registry: ExecutionRegistry,
+        audit: AuditLog,
+        limits: SessionLimits,
+        *,
+        workspace_mb: int,
+    ) -> None:
+        self.interpreter = interpreter
+        self.engine = interpreter.engine
+        self.registry = registry
+        self.audit = audit
+        self.limits = limits
+        self.workspace_mb = workspace_mb
+        self._open: dict[str, Session] = {}
+        self._ended: OrderedDict[str, Ended] = OrderedDict()
+        self._group: anyio.abc.TaskGroup | None = None
+        self.closing = False
+
+    # --- the service's side ---
+
+    async def run(self) -> None:
+        """Holds the sessions' reader tasks and reaps idle and expired sessions until cancelled."""
+        async with anyio.create_task_group() as group:
+            self._group = group
+            try:
+                while True:
+                    await anyio.sleep(_REAP_INTERVAL_S)
+                    self._reap()
+            finally:
+                self._group = None
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for session in list(self._open.values()):
+            if session.container is None:
+                continue  # still being created
+            idle_s = now - session.last_used_mono
+            if now - session.created_mono >= session.lifetime_s:
+                self._end_soon(session, "lifetime")
+            elif not session.busy and session.waiting == 0 and idle_s >= session.config.idle_timeout_s:
+                self._end_soon(session, "idle")
+        while self._ended and (
+            len(self._ended) > MAX_TOMBSTONES or now - next(iter(self._ended.values())).at > TOMBSTONE_S
+        ):
+            self._ended.popitem(last=False)
+
+    def _end_soon(self, session: Session, reason: str) -> None:
+        if self._group is not None and session.container is not None and not session.container.ended.is_set():
+            self._group.start_soon(session.container.kill, reason)
+
+    def begin_close_all(self, reason: str) -> None:
+        """Refuses new sessions and starts ending every open one (at a shutdown signal)."""
+        self.closing = True
+        for session in list(self._open.values()):
+            self._end_soon(session, reason)
+
+    async def close_all(self, reason: str) -> None:
+        """Ends every session (its calls get their answers) and waits (bounded) for their containers."""
+        self.closing = True
+        async with anyio.create_task_group() as group:
+            for session in list(self._open.values()):
+                if session.container is not None:
+                    group.start_soon(session.container.kill, reason)
+        with anyio.move_on_after(30):
+            for session in list(self._open.values()):
+                await session.retired.wait()
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+    # --- lookups ---
+
+    def get(self, session_id: str, caller: str | None) -> Session:
+        session = self._open.get(session_id)
+        if session is not None and session.owner == caller:
+            container = session.container
+            if container is not None and container.ended.is_set():  # ending: retired in a moment
+                reason = container.end_reason or "exited"
+                raise Gone(f"Session {session_id} has ended: {reason}", reason=reason)
+            return session
+        ended = self._ended.get(session_id)
+        if ended is not None and ended.owner == caller:
+            raise Gone(f"Session {session_id} has ended: {ended.reason}", reason=ended.reason)
+        raise NotFound(f"No session {session_id!r}; create one with POST /sessions")
+
+    def list(self, caller: str | None) -> list[SessionRecord]:
+        return [s.record() for s in self._open.values() if s.owner == caller and s.container is not None]
+
+    # --- create and close ---
+
+    async def create(self, request: SessionCreateRequest, caller: str | None) -> SessionRecord:
+        if self.closing or self.interpreter.closing:
+            raise Unavailable("The service is shutting down; retry on another instance")
+        refuse_unserved_language(request.language)
+        self._admit(caller)
+        interpreter = self.interpreter
+        dependencies = interpreter.check_packages(request.packages)
+        allowlist = interpreter.network_allowlist(request.network)
+        session = Session(
+            new_session_id(),
+            caller,
+            request,
+            datetime.now(UTC),
+            time.monotonic(),
+            self.limits.max_lifetime_s,
+        )
+        self._open[session.session_id] = session
+        try:
+            await self._start(session, dependencies, allowlist)
+        except BaseException:
+            self._open.pop(session.session_id, None)
+            with anyio.CancelScope(shield=True):
+                await session.resources.aclose()
+            raise
+        self.audit.append(
+            "session.created",
+            session_id=session.session_id,
+            caller=caller,
+            container_id=session.container.container_id if session.container else None,
+            container_path=session.container_path,
+            limits={
+                "memory_mb": request.memory_mb,
+                "cpus": interpreter.cpus,
+                "idle_timeout_s": request.idle_timeout_s,
+                "lifetime_s": session.lifetime_s,
+                "workspace_mb": self.workspace_mb,
+            },
+            packages=list(request.packages),
+            network=request.network.model_dump() if request.network else None,
+            image_id=interpreter.image.image_id,
+        )
+        return session.record()
+
+    def _admit(self, caller: str | None) -> None:
+        if len(self._open) >= self.limits.max_sessions:
+            raise AtCapacity(
+                f"At capacity: {len(self._open)} sessions are open (METAAGENT_SESSION_MAX); close one or retry later",
+                retry_after_s=5,
+            )
+        mine = sum(1 for s in self._open.values() if s.owner == caller)
+        if mine >= self.limits.per_key:
+            raise AtCapacity(
+                f"This caller already has {mine} sessions open (METAAGENT_SESSIONS_PER_KEY); close one first",
+                retry_after_s=5,
+            )
+
+    async def _start(self, session: Session, dependencies: dict[str, str], allowlist: Any) -> None:
+        interpreter = self.interpreter
+        request = session.config
+        image_ref = await interpreter.image.require()
+        packages = await session.resources.enter_async_context(
+            interpreter.provide_packages(request.packages, dependencies, image_ref, session.owner)
+        )
+        network = None
+        if interpreter.network is not None and allowlist is not None:
+            network = await session.resources.enter_async_context(
+                interpreter.network.for_execution(session.session_id, allowlist)
+            )
+        warm = None
+        if request.memory_mb == interpreter.pool.memory_mb and not request.packages and network is None:
+            warm = interpreter.pool.take(image_ref)
+        if warm is not None:
+            interpreter.pool.finished()  # a session keeps its container: the pool replaces it now
+            prepared = warm.prepared
+            session.container_path = "warm"
+        else:
+            mounts = (*(network.mounts if network else ()), *((packages.mount(),) if packages else ()))
+            spec = container_spec(
+                new_execution_id(), image_ref, request.memory_mb, interpreter.cpus, mounts=mounts,
+                workspace_mb=self.workspace_mb,
+            )  # fmt: skip
+            prepared = await prepare(self.engine, spec, start=True)
+            try:
+                if not await wait_ready(prepared):
+                    raise Unavailable(f"The session's runner did not start: {prepared.output.stderr.text()[:300]!r}")
+                await prepared.limit_cpus(self.engine)
+            except BaseException:
+                prepared.sock.close()
+                with anyio.CancelScope(shield=True):
+                    await self.engine.remove(prepared.container_id)
+                raise
+        container = SessionContainer(
+            self.engine, prepared, grace_s=interpreter.grace_s, file_timeout_s=self.limits.file_timeout_s
+        )
+        if self._group is None:
+            raise Unavailable("Sessions are not being served yet; retry in a moment")
+        header = session_payload(network.runner if network else None)
+        try:
+            await self._group.start(self._serve, session, container, header)
+        except SessionGone as gone:
+            raise Unavailable(f"The session's runner did not start ({gone.reason})") from None
+
+    async def _serve(
+        self, session: Session, container: SessionContainer, header: bytes, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        """The session's life: its container runs (and reads its stream) until it ends; then it retires."""
+        started = False
+
+        def ready() -> None:
+            nonlocal started
+            started = True
+            session.container = container
+            task_status.started()
+
+        try:
+            await container.run(header, on_ready=ready)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if started:
+                    await self._retire(session, container.end_reason or "exited")
+
+    async def _retire(self, session: Session, reason: str) -> None:
+        self._open.pop(session.session_id, None)
+        self._ended[session.session_id] = Ended(session.owner, reason, time.monotonic())
+        try:
+            await session.resources.aclose()
+        finally:
+            session.retired.set()
+            self.audit.append(
+                "session.ended",
+                session_id=session.session_id,
+                caller=session.owner,
+                reason=reason,
+                executions=session.executions,
+                exit_code=session.container.exit_code if session.container else None,
+            )
+
+    async def close(self, session_id: str, caller: str | None) -> SessionClosed:
+        session = self.get(session_id, caller)
+        if session.container is not None:
+            await session.container.kill("closed")
+        with anyio.move_on_after(30):
+            await session.retired.wait()
+        return SessionClosed(session_id=session_id)
+
+    # --- calls and file requests, one at a time ---
+
+    @asynccontextmanager
+    async def _use(self, session: Session) -> AsyncIterator[SessionContainer]:
+        if session.waiting >= self.limits.queue_size:
+            raise AtCapacity(
+                f"Session {session.session_id} has {session.waiting} calls waiting (METAAGENT_SESSION_QUEUE); "
+                "retry when one is done",
+                retry_after_s=2,
+            )
+        session.waiting += 1
+        try:
+            await session.turn.acquire()
+        finally:
+            session.waiting -= 1
+        try:
+            container = session.container
+            if container is None or container.ended.is_set():
+                raise Gone(
+                    f"Session {session.session_id} has ended: {container.end_reason if container else 'exited'}",
+                    reason=(container.end_reason if container else None) or "exited",
+                )
+            session.busy = True
+            yield container
+        finally:
+            session.busy = False
+            session.last_used_at = datetime.now(UTC)
+            session.last_used_mono = time.monotonic()
+            session.turn.release()
+
+    async def execute(
+        self,
+        session_id: str,
+        request: SessionExecuteRequest,
+        caller: str | None,
+        listener: OutputListener | None = None,
+    ) -> SessionExecuteResponse:
+        session = self.get(session_id, caller)
+        queued_at = time.monotonic()
+        async with self._use(session) as container:
+            queued_ms = int((time.monotonic() - queued_at) * 1000)
+            execution = Execution(
+                new_execution_id(), request.timeout_s, session.config.memory_mb, caller=caller,
+                container_id=container.container_id, session_id=session_id,
+            )  # fmt: skip
+            self.registry.add(execution)
+            try:
+                outcome = await container.call(request.code, request.timeout_s, execution, listener)
+            finally:
+                self.registry.discard(execution)
+            session.executions += 1
+        if outcome.status == "ended":  # its answer arrives once the session is gone
+            with anyio.move_on_after(30):
+                await session.retired.wait()
+        response = _response(session_id, execution.execution_id, outcome, queued_ms)
+        self.audit.append(
+            "session.call",
+            session_id=session_id,
+            execution_id=execution.execution_id,
+            caller=caller,
+            **code_fields(request.code),
+            outcome={
+                "exit_code": response.exit_code,
+                "timed_out": response.timed_out,
+                "killed": response.killed,
+                "oom_killed": response.oom_killed,
+                "session_ended": response.session_ended,
+                "duration_ms": response.duration_ms,
+                "stdout_bytes": outcome.stdout.produced,
+                "stderr_bytes": outcome.stderr.produced,
+            },
+        )
+        return response
+
+    async def put_file(
+        self, session_id: str, path: str, chunks: AsyncIterator[bytes], caller: str | None
+    ) -> FileWritten:
+        session = self.get(session_id, caller)
+        digest = hashlib.sha256()
+
+        async def hashed() -> AsyncIterator[bytes]:
+            async for chunk in chunks:
+                digest.update(chunk)
+                yield chunk
+
+        async with self._use(session) as container:
+            try:
+                size = await container.put(path, hashed(), self.limits.max_file_bytes)
+            except FileTooLarge:
+                raise PayloadTooLarge(
+                    f"The file is larger than {self.limits.max_file_bytes // (1024 * 1024)} MiB "
+                    "(METAAGENT_SESSION_MAX_FILE_MB)"
+                ) from None
+            except (FileRefused, SessionGone) as exc:
+                raise _file_error(session, path, exc) from None
+        written = FileWritten(path=path, size=size, sha256=digest.hexdigest())
+        self.audit.append("session.file_written", session_id=session_id, caller=caller, **written.model_dump())
+        return written
+
+    @asynccontextmanager
+    async def read_file(self, session_id: str, path: str, caller: str | None) -> AsyncIterator[Download]:
+        """The file's size and bytes; the session is held (no other call runs) until the block ends."""
+        session = self.get(session_id, caller)
+        async with self._use(session) as container:
+            try:
+                download = await container.get(path)
+            except (FileRefused, SessionGone) as exc:
+                raise _file_error(session, path, exc) from None
+            try:
+                yield download
+            finally:
+                await download.close()
+
+    async def list_files(self, session_id: str, caller: str | None) -> FileList:
+        session = self.get(session_id, caller)
+        async with self._use(session) as container:
+            try:
+                reply = await container.list()
+            except (FileRefused, SessionGone) as exc:
+                raise _file_error(session, "", exc) from None
+        files = []
+        for entry in reply.get("files") or []:
+            try:
+                files.append(FileInfo.model_validate(entry))
+            except ValueError:
+                continue  # a forged entry: the runner's words are not trusted
+        files.sort(key=lambda f: f.path.encode())
+        return FileList(files=files)
+
+    async def delete_file(self, session_id: str, path: str, caller: str | None) -> FileDeleted:
+        session = self.get(session_id, caller)
+        async with self._use(session) as container:
+            try:
+                await container.delete(path)
+            except (FileRefused, SessionGone) as exc:
+                raise _file_error(session, path, exc) from None
+        self.audit.append("session.file_deleted", session_id=session_id, caller=caller, path=path)
+        return FileDeleted(path=path)
+
+
+def _file_error(session: Session, path: str, exc: FileRefused | SessionGone) -> Exception:
+    if isinstance(exc, SessionGone):
+        if exc.reason == "timeout":
+            return UpstreamTimeout(
+                f"Session {session.session_id} did not answer the file request in time (its code may block the "
+                "event loop); it has been ended"
+            )
+        return Gone(f"Session {session.session_id} has ended: {exc.reason}", reason=exc.reason)
+    if exc.kind == "not_found":
+        return NotFound(f"No file {path!r} in the workspace ({exc.message})")
+    if exc.kind == "full":
+        return InsufficientStorage(
+            "The session's workspace is full (METAAGENT_SESSION_WORKSPACE_MB); delete files and retry"
+        )
+    if exc.kind == "is_folder":
+        return RequestRefused(f"{path} is a folder in the workspace; name a file")
+    if exc.kind == "not_a_folder":
+        return RequestRefused(f"A parent of {path} is a file in the workspace, not a folder")
+    if exc.kind == "bad_path":
+        return RequestRefused(f"Invalid workspace path: {path!r}")
+    return Unavailable(f"The session could not do the file request: {exc.message}")
+
+
+def _capped_result(result: str | None, produced: int) -> tuple[str | None, bool]:
+    if result is None:
+        return None, False
+    data = result.encode()
+    produced = max(produced, len(data))
+    if produced <= RESULT_CAP:
+        return result, False
+    cut = utf8_boundary(data[:RESULT_CAP])
+    shown = data[:cut].decode("utf-8", "replace")
+    return f"{shown}\n[result truncated: {produced} bytes, the first {cut} shown]\n", True
+
+
+def _response(session_id: str, execution_id: str, outcome: CallOutcome, queued_ms: int) -> SessionExecuteResponse:
+    ended = outcome.status == "ended"
+    exit_code = outcome.exit_code if ended else {"ok": 0, "threw": 1}.get(outcome.status)
+    result, truncated = _capped_result(outcome.result if outcome.status == "ok" else None, outcome.result_bytes)
+    return SessionExecuteResponse(
+        execution_id=execution_id,
+        exit_code=exit_code,
+        stdout=outcome.stdout.text(),
+        stderr=outcome.stderr.text(),
+        stdout_truncated=outcome.stdout.truncated,
+        stderr_truncated=outcome.stderr.truncated,
+        timed_out=outcome.timed_out or (ended and outcome.ended == "timeout"),
+        oom_killed=outcome.oom_killed,
+        duration_ms=outcome.duration_ms,
+        killed=outcome.killed or (ended and outcome.ended in _SERVICE_ENDS and outcome.ended != "timeout"),
+        queued_ms=queued_ms,
+        session_id=session_id,
+        result=result,
+        result_truncated=truncated,
+        session_ended=ended,
+    )
+
+
+__all__ = ["SessionLimits", "Sessions"]

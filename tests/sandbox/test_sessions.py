@@ -1,0 +1,572 @@
+"""Sessions against a real engine: REPL semantics, interrupts, the end of a session and its 410, files
+through the runner, the confined fs, ownership, limits and order, frames forged by the code."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import httpx2
+import pytest
+
+from tests.sandbox.conftest import Service, audit_records, labelled_containers, running_service
+
+pytestmark = [pytest.mark.docker]
+
+PATH_REFUSED = "ERR_METAAGENT_PATH_REFUSED"
+ALICE = "alice-key-0123456789abcdef"
+BOB = "bob-key-0123456789abcdefgh"
+
+
+class Sessions:
+    """A caller of one service's session routes."""
+
+    def __init__(self, service: Service, key: str | None = None) -> None:
+        self.service = service
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx2.Response:
+        return httpx2.request(method, f"{self.service.base_url}{path}", headers=self.headers, timeout=120, **kwargs)
+
+    def create(self, **body: Any) -> str:
+        response = self.request("POST", "/sessions", json=body or None)
+        assert response.status_code == 201, response.text
+        session_id: str = response.json()["session_id"]
+        return session_id
+
+    def run(self, session_id: str, code: str, timeout_s: int = 5) -> dict[str, Any]:
+        response = self.request("POST", f"/sessions/{session_id}/execute", json={"code": code, "timeout_s": timeout_s})
+        assert response.status_code == 200, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    def close(self, session_id: str) -> httpx2.Response:
+        return self.request("DELETE", f"/sessions/{session_id}")
+
+
+@pytest.fixture
+def sessions(sandbox_service: Service) -> Iterator[Sessions]:
+    client = Sessions(sandbox_service)
+    yield client
+    for record in client.request("GET", "/sessions").json()["sessions"]:
+        client.close(record["session_id"])
+
+
+@pytest.fixture(scope="module")
+def tight_service(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient) -> Iterator[Service]:
+    """A service with small session limits and two API keys."""
+    with running_service(
+        tmp_path_factory.mktemp("sessions-tight"),
+        METAAGENT_API_KEYS=f"alice:{ALICE},bob:{BOB}",
+        METAAGENT_SESSION_WORKSPACE_MB="2",
+        METAAGENT_SESSION_MAX_FILE_MB="1",
+        METAAGENT_SESSION_MAX="3",
+        METAAGENT_SESSIONS_PER_KEY="2",
+        METAAGENT_SESSION_QUEUE="1",
+        METAAGENT_SESSION_FILE_TIMEOUT_S="3",
+        METAAGENT_POOL_ENABLED="false",
+        METAAGENT_KILL_GRACE_S="2",
+    ) as service:
+        yield service
+
+
+# --- REPL semantics ------------------------------------------------------------------------------------
+
+
+def test_declarations_and_globals_persist_from_call_to_call(sessions: Sessions) -> None:
+    sid = sessions.create()
+    sessions.run(
+        sid, "let a = 1; const b = 2; var c = 3; function f() { return a + b + c; } class K { v() { return 4; } }"
+    )
+    sessions.run(sid, "globalThis.d = 5; a += 10")
+    result = sessions.run(sid, "[a, b, c, f(), new K().v(), d]")
+    assert result["result"] == "[ 11, 2, 3, 16, 4, 5 ]"
+    assert result["exit_code"] == 0
+
+
+@pytest.mark.parametrize(
+    ("code", "shown"),
+    [
+        ("[1,2,3].map(x=>x*x)", "[ 1, 4, 9 ]"),
+        ("'a'", "'a'"),
+        ("1; let z = 3", "1"),
+        ("let z2 = 3", None),
+        ("Promise.resolve(5)", "Promise { 5 }"),
+        ("({ nested: { deep: [1, { x: 'y' }] } })", "{ nested: { deep: [ 1, [Object] ] } }"),
+        ("undefined", None),
+        ("null", "null"),
+    ],
+)
+def test_the_result_is_what_the_node_repl_shows(sessions: Sessions, code: str, shown: str | None) -> None:
+    assert sessions.run(sessions.create(), code)["result"] == shown
+
+
+def test_top_level_await_works_and_its_declarations_persist(sessions: Sessions) -> None:
+    sid = sessions.create()
+    first = sessions.run(sid, "const v = await new Promise((r) => setTimeout(() => r(41), 20)); v + 1")
+    assert first["result"] == "42"
+    assert sessions.run(sid, "v")["result"] == "41"
+    mod = sessions.run(sid, "const { join } = await import('node:path'); join('a', 'b')")
+    assert mod["result"] == "'a/b'"
+
+
+def test_a_call_that_throws_answers_exit_1_with_the_error_and_the_session_lives_on(sessions: Sessions) -> None:
+    sid = sessions.create()
+    sessions.run(sid, "let kept = 7")
+    thrown = sessions.run(sid, "throw new Error('boom')")
+    assert thrown["exit_code"] == 1
+    assert "Uncaught Error: boom" in thrown["stderr"]
+    assert thrown["session_ended"] is False
+    rejected = sessions.run(sid, "await Promise.reject(new TypeError('async boom'))")
+    assert rejected["exit_code"] == 1
+    assert "Uncaught TypeError: async boom" in rejected["stderr"]
+    syntax = sessions.run(sid, "let = ;")
+    assert syntax["exit_code"] == 1
+    assert "SyntaxError" in syntax["stderr"]
+    assert sessions.run(sid, "kept")["result"] == "7"
+
+
+def test_output_belongs_to_its_call_and_later_output_to_the_next(sessions: Sessions) -> None:
+    sid = sessions.create()
+    printed = sessions.run(sid, "console.log('one'); console.error('two'); 3")
+    assert (printed["stdout"], printed["stderr"], printed["result"]) == ("one\n", "two\n", "3")
+    sessions.run(sid, "setTimeout(() => console.log('from a timer'), 50); null")
+    time.sleep(0.3)
+    later = sessions.run(sid, "1")
+    assert later["stdout"] == "from a timer\n"
+
+
+def test_a_result_over_the_cap_is_truncated_with_a_marker(sessions: Sessions) -> None:
+    # util.inspect cuts long strings and arrays itself, as the REPL shows them; a wide object it does not.
+    result = sessions.run(
+        sessions.create(), "Object.fromEntries(Array.from({ length: 3000 }, (_, i) => ['k' + i, 'v'.repeat(40)]))"
+    )
+    assert result["result_truncated"] is True
+    assert "[result truncated:" in result["result"]
+    assert len(result["result"].encode()) < 52 * 1024
+
+
+# --- interrupts and the end of a session -----------------------------------------------------------
+
+
+def test_a_synchronous_endless_loop_is_interrupted_at_its_deadline_and_the_session_keeps_its_state(
+    sessions: Sessions,
+) -> None:
+    sid = sessions.create()
+    sessions.run(sid, "let before = 'kept'")
+    stuck = sessions.run(sid, "while (true) {}", timeout_s=1)
+    assert stuck["timed_out"] is True
+    assert stuck["exit_code"] is None
+    assert stuck["session_ended"] is False
+    assert sessions.run(sid, "before")["result"] == "'kept'"
+
+
+def test_an_await_that_never_settles_is_interrupted_and_the_session_lives_on(sessions: Sessions) -> None:
+    sid = sessions.create()
+    waited = sessions.run(sid, "await new Promise(() => {})", timeout_s=1)
+    assert waited["timed_out"] is True
+    assert waited["session_ended"] is False
+    assert sessions.run(sid, "2 + 2")["result"] == "4"
+
+
+def test_a_call_that_cannot_be_interrupted_ends_the_session_with_410_timeout(tight_service: Service) -> None:
+    alice = Sessions(tight_service, ALICE)
+    sid = alice.create()
+    alice.run(sid, "setTimeout(() => { for (;;) {} }, 10); null")
+    stuck = alice.run(sid, "1", timeout_s=1)
+    assert stuck["timed_out"] is True
+    assert stuck["session_ended"] is True
+    gone = alice.request("GET", f"/sessions/{sid}")
+    assert gone.status_code == 410
+    assert gone.json() == {"error": f"Session {sid} has ended: timeout", "reason": "timeout"}
+
+
+def test_process_exit_ends_the_session_with_its_code_and_410_exited(sessions: Sessions) -> None:
+    sid = sessions.create()
+    ended = sessions.run(sid, "process.exit(3)")
+    assert ended["exit_code"] == 3
+    assert ended["session_ended"] is True
+    gone = sessions.request("POST", f"/sessions/{sid}/execute", json={"code": "1"})
+    assert gone.status_code == 410
+    assert gone.json()["reason"] == "exited"
+
+
+def test_running_out_of_memory_ends_the_session_with_410_oom(sessions: Sessions) -> None:
+    sid = sessions.create(memory_mb=64)
+    ended = sessions.run(sid, "const hog = []; for (;;) hog.push(new Array(1e6).fill(1));", timeout_s=30)
+    assert ended["session_ended"] is True
+    assert ended["oom_killed"] is True
+    assert sessions.request("GET", f"/sessions/{sid}").json()["reason"] == "oom"
+
+
+def test_closing_a_session_removes_its_container_and_a_second_close_is_410(
+    sessions: Sessions, docker_client: docker.DockerClient
+) -> None:
+    sid = sessions.create()
+    record = next(r for r in audit_records(sessions.service) if r.get("session_id") == sid)
+    container_id = record["container_id"]
+    closed = sessions.close(sid)
+    assert closed.json() == {"session_id": sid, "closed": True}
+    assert container_id not in labelled_containers(docker_client, "org.metaagent.service=metaagent")
+    again = sessions.close(sid)
+    assert again.status_code == 410
+    assert again.json()["reason"] == "closed"
+
+
+def test_closing_a_session_during_a_call_ends_the_call_killed(sessions: Sessions) -> None:
+    sid = sessions.create()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        call = pool.submit(sessions.run, sid, "await new Promise(() => {})", 30)
+        time.sleep(1)
+        sessions.close(sid)
+        result = call.result(timeout=60)
+    assert result["killed"] is True
+    assert result["session_ended"] is True
+
+
+def test_a_running_call_is_listed_and_deleting_it_interrupts_it_without_ending_the_session(sessions: Sessions) -> None:
+    sid = sessions.create()
+    sessions.run(sid, "let still = 'here'")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        call = pool.submit(sessions.run, sid, "while (true) {}", 60)
+        execution = None
+        for _ in range(200):
+            running = sessions.request("GET", "/executions").json()["executions"]
+            execution = next((e for e in running if e.get("session_id") == sid), None)
+            if execution:
+                break
+            time.sleep(0.05)
+        assert execution is not None
+        sessions.request("DELETE", f"/executions/{execution['execution_id']}")
+        result = call.result(timeout=60)
+    assert result["killed"] is True
+    assert result["session_ended"] is False
+    assert sessions.run(sid, "still")["result"] == "'here'"
+
+
+def test_an_idle_session_ends_with_410_idle(sessions: Sessions) -> None:
+    sid = sessions.create(idle_timeout_s=10)
+    time.sleep(12)
+    gone = sessions.request("GET", f"/sessions/{sid}")
+    assert gone.status_code == 410
+    assert gone.json()["reason"] == "idle"
+
+
+# --- order, limits, ownership --------------------------------------------------------------------------
+
+
+def test_concurrent_calls_run_one_at_a_time_in_arrival_order(sessions: Sessions) -> None:
+    sid = sessions.create()
+    sessions.run(sid, "const order = []")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = []
+        for i in range(4):
+            futures.append(
+                pool.submit(sessions.run, sid, f"await new Promise(r => setTimeout(r, 100)); order.push({i})")
+            )
+            time.sleep(0.05)
+        results = [f.result(timeout=60) for f in futures]
+    assert sessions.run(sid, "order")["result"] == "[ 0, 1, 2, 3 ]"
+    assert all(r["exit_code"] == 0 for r in results)
+    assert results[-1]["queued_ms"] > 0
+
+
+def test_another_key_cannot_see_a_session_and_gets_404_open_or_ended(tight_service: Service) -> None:
+    alice, bob = Sessions(tight_service, ALICE), Sessions(tight_service, BOB)
+    sid = alice.create()
+    for method, path in [
+        ("GET", f"/sessions/{sid}"),
+        ("DELETE", f"/sessions/{sid}"),
+        ("GET", f"/sessions/{sid}/files"),
+    ]:
+        assert bob.request(method, path).status_code == 404
+    assert bob.request("POST", f"/sessions/{sid}/execute", json={"code": "1"}).status_code == 404
+    assert sid not in [s["session_id"] for s in bob.request("GET", "/sessions").json()["sessions"]]
+    assert sid in [s["session_id"] for s in alice.request("GET", "/sessions").json()["sessions"]]
+    alice.close(sid)
+    assert bob.request("GET", f"/sessions/{sid}").status_code == 404
+    assert alice.request("GET", f"/sessions/{sid}").status_code == 410
+
+
+def test_session_limits_answer_429_for_the_key_and_for_the_service(tight_service: Service) -> None:
+    alice, bob = Sessions(tight_service, ALICE), Sessions(tight_service, BOB)
+    opened = [alice.create(), alice.create()]
+    refused = alice.request("POST", "/sessions")
+    assert refused.status_code == 429
+    assert "METAAGENT_SESSIONS_PER_KEY" in refused.json()["error"]
+    assert "Retry-After" in refused.headers
+    opened.append(bob.create())
+    full = bob.request("POST", "/sessions")
+    assert full.status_code == 429
+    assert "METAAGENT_SESSION_MAX" in full.json()["error"]
+    for sid in opened[:2]:
+        alice.close(sid)
+    bob.close(opened[2])
+
+
+def test_calls_past_the_queue_answer_429(tight_service: Service) -> None:
+    alice = Sessions(tight_service, ALICE)
+    sid = alice.create()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        first = pool.submit(alice.run, sid, "await new Promise(r => setTimeout(r, 1500))")
+        time.sleep(0.5)
+        second = pool.submit(alice.request, "POST", f"/sessions/{sid}/execute", json={"code": "2"})
+        time.sleep(0.3)
+        third = alice.request("POST", f"/sessions/{sid}/execute", json={"code": "3"})
+        assert third.status_code == 429
+        assert first.result(timeout=60)["exit_code"] == 0
+        assert second.result(timeout=60).status_code == 200
+    alice.close(sid)
+
+
+# --- files -----------------------------------------------------------------------------------------------
+
+
+def test_files_go_in_and_out_through_the_runner(sessions: Sessions) -> None:
+    sid = sessions.create()
+    data = b"a,b\n1,2\n3,4\n"
+    written = sessions.request("PUT", f"/sessions/{sid}/files/data/in.csv", content=data)
+    assert written.status_code == 201
+    assert written.json() == {"path": "data/in.csv", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    computed = sessions.run(
+        sid,
+        "const fs = require('fs');"
+        " const rows = fs.readFileSync('data/in.csv', 'utf8').trim().split('\\n').slice(1);"
+        " const sums = rows.map(r => r.split(',').map(Number).reduce((a, b) => a + b));"
+        " fs.writeFileSync('out.json', JSON.stringify(sums)); rows.length",
+    )
+    assert computed["result"] == "2"
+    read = sessions.request("GET", f"/sessions/{sid}/files/out.json")
+    assert read.status_code == 200
+    assert read.content == b"[3,7]"
+    assert read.headers["content-type"] == "application/json"
+    listed = sessions.request("GET", f"/sessions/{sid}/files").json()["files"]
+    assert [(f["path"], f["size"]) for f in listed] == [("data/in.csv", len(data)), ("out.json", 5)]
+    assert sessions.request("DELETE", f"/sessions/{sid}/files/out.json").json() == {"path": "out.json", "deleted": True}
+    assert sessions.request("GET", f"/sessions/{sid}/files/out.json").status_code == 404
+    assert sessions.request("DELETE", f"/sessions/{sid}/files/out.json").status_code == 404
+
+
+def test_a_large_file_round_trips_byte_for_byte(sessions: Sessions) -> None:
+    sid = sessions.create()
+    data = bytes(range(256)) * (4 * 4096)  # 4 MiB
+    assert sessions.request("PUT", f"/sessions/{sid}/files/big.bin", content=data).status_code == 201
+    assert sessions.request("GET", f"/sessions/{sid}/files/big.bin").content == data
+    assert sessions.run(sid, "require('fs').statSync('big.bin').size")["result"] == str(len(data))
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["..%2Fetc%2Fpasswd", "%2e%2e/x", "a/%2E%2E/b", "a//b", "a/", "%2Fetc%2Fpasswd", "a%00b", "a%0Ab", "a%7Fb",
+     "a%C2%85b", "%FF%FE", "x" * 256, "/".join(["d"] * 600)],
+    ids=["encoded-slash-traversal", "encoded-dots", "encoded-dots-inside", "empty-segment", "trailing-slash",
+         "absolute", "nul", "newline", "del", "c1", "not-utf8", "long-segment", "long-path"],
+)  # fmt: skip
+def test_a_path_that_breaks_the_rules_is_a_400_that_says_why(sessions: Sessions, path: str) -> None:
+    sid = sessions.create()
+    for method in ("PUT", "GET", "DELETE"):
+        response = sessions.request(method, f"/sessions/{sid}/files/{path}", content=b"x" if method == "PUT" else None)
+        assert response.status_code == 400, (method, response.text)
+        assert response.json()["error"].startswith("Invalid workspace path: ")
+
+
+def test_a_folder_path_is_a_400(sessions: Sessions) -> None:
+    sid = sessions.create()
+    sessions.request("PUT", f"/sessions/{sid}/files/dir/f.txt", content=b"x")
+    assert sessions.request("PUT", f"/sessions/{sid}/files/dir", content=b"y").status_code == 400
+    assert sessions.request("PUT", f"/sessions/{sid}/files/dir/f.txt/under", content=b"y").status_code == 400
+
+
+def test_an_oversize_upload_is_413_and_a_full_workspace_507_and_neither_leaves_a_partial_file(
+    tight_service: Service,
+) -> None:
+    alice = Sessions(tight_service, ALICE)
+    sid = alice.create()
+    alice.request("PUT", f"/sessions/{sid}/files/keep.txt", content=b"old content")
+    too_big = alice.request("PUT", f"/sessions/{sid}/files/keep.txt", content=b"x" * (1024 * 1024 + 1))
+    assert too_big.status_code == 413
+
+    def chunked() -> Iterator[bytes]:
+        for _ in range(17):
+            yield b"y" * 65536
+
+    streamed = alice.request("PUT", f"/sessions/{sid}/files/keep.txt", content=chunked())
+    assert streamed.status_code == 413
+    for i in range(2):
+        alice.request("PUT", f"/sessions/{sid}/files/fill{i}.bin", content=b"z" * (900 * 1024))
+    full = alice.request("PUT", f"/sessions/{sid}/files/keep.txt", content=b"w" * (900 * 1024))
+    assert full.status_code == 507
+    assert alice.request("GET", f"/sessions/{sid}/files/keep.txt").content == b"old content"
+    names = [f["path"] for f in alice.request("GET", f"/sessions/{sid}/files").json()["files"]]
+    assert sorted(names) == ["fill0.bin", "fill1.bin", "keep.txt"]
+    alice.close(sid)
+
+
+def test_links_fifos_and_sockets_the_code_makes_are_never_listed_or_followed(sessions: Sessions) -> None:
+    sid = sessions.create()
+    made = sessions.run(
+        sid,
+        """
+        const fs = require('fs'), out = [];
+        fs.writeFileSync('real.txt', 'real');
+        for (const [name, make] of [['symlink', () => fs.symlinkSync('/etc/passwd', 'link')],
+                                    ['link', () => fs.linkSync('real.txt', 'hard')],
+                                    ['socket', () => require('http').createServer().listen('/workspace/sock')]]) {
+          try { make(); out.push(name + ' made'); } catch (e) { out.push(name + ' ' + e.code); }
+        }
+        out
+        """,
+    )
+    for outcome in ("'symlink ERR_METAAGENT_PATH_REFUSED'", "'link ERR_METAAGENT_PATH_REFUSED'",
+                    "'socket ERR_METAAGENT_BLOCKED_API'"):  # fmt: skip
+        assert outcome in made["result"]
+    listed = [f["path"] for f in sessions.request("GET", f"/sessions/{sid}/files").json()["files"]]
+    assert listed == ["real.txt"]
+
+
+def test_code_that_blocks_its_event_loop_ends_a_file_request_with_504_not_a_hang(tight_service: Service) -> None:
+    alice = Sessions(tight_service, ALICE)
+    sid = alice.create()
+    alice.request("PUT", f"/sessions/{sid}/files/a.txt", content=b"a")
+    alice.run(sid, "setTimeout(() => { for (;;) {} }, 10); null")
+    time.sleep(0.2)
+    stuck = alice.request("GET", f"/sessions/{sid}/files/a.txt")
+    assert stuck.status_code == 504
+    assert alice.request("GET", f"/sessions/{sid}").json()["reason"] == "timeout"
+
+
+# --- the confined fs ---------------------------------------------------------------------------------------
+
+CONFINED = """
+const fs = require('fs'), path = require('path');
+const out = {};
+const attempt = async (name, fn) => {
+  try { const v = await fn(); out[name] = 'ok ' + String(v).slice(0, 40); } catch (e) { out[name] = e.code; }
+};
+await attempt('write-workspace', () => fs.writeFileSync('/workspace/w.txt', 'w'));
+await attempt('read-relative', () => fs.readFileSync('w.txt', 'utf8'));
+await attempt('tmp', () => { fs.writeFileSync('/tmp/t.txt', 't'); return fs.readFileSync('/tmp/t.txt', 'utf8'); });
+await attempt('promises', () => require('fs/promises').readFile('w.txt', 'utf8'));
+await attempt('import-promises', async () => (await import('node:fs/promises')).readFile('/workspace/w.txt', 'utf8'));
+const streamed = (make) => new Promise((ok, no) => make().on('data', ok).on('error', no));
+await attempt('stream', () => streamed(() => fs.createReadStream('w.txt')));
+await attempt('opendir', async () => {
+  const d = await fs.promises.opendir('.'); const e = await d.read(); await d.close(); return !!e;
+});
+await attempt('etc-passwd', () => fs.readFileSync('/etc/passwd', 'utf8'));
+await attempt('dotdot', () => fs.readFileSync('../etc/passwd', 'utf8'));
+await attempt('app', () => fs.readdirSync('/app'));
+await attempt('proc', () => fs.readFileSync('/proc/self/environ'));
+await attempt('dev', () => fs.openSync('/dev/null', 'r'));
+await attempt('buffer-path', () => fs.readFileSync(Buffer.from('/etc/passwd')));
+await attempt('file-url', () => fs.readFileSync(new URL('file:///etc/passwd')));
+await attempt('promises-etc', () => fs.promises.readFile('/etc/hostname', 'utf8'));
+await attempt('stream-etc', () => streamed(() => fs.createReadStream('/etc/passwd')));
+await attempt('readstream-class', () => streamed(() => new fs.ReadStream('/etc/passwd')));
+await attempt('watch-etc', () => fs.watch('/etc'));
+await attempt('exists-etc', () => fs.existsSync('/etc/passwd'));
+await attempt('rename-out', () => fs.renameSync('/workspace/w.txt', '/app/w.txt'));
+await attempt('copy-in', () => fs.copyFileSync('/etc/passwd', '/workspace/p'));
+await attempt('fd-not-opened', () => fs.readSync(7, Buffer.alloc(10)));
+await attempt('chdir-out', () => process.chdir('/etc'));
+await attempt('chdir-tmp', () => {
+  process.chdir('/tmp'); const c = process.cwd(); process.chdir('/workspace'); return c;
+});
+await attempt('require-workspace', () => require('/workspace/w.txt'));
+await attempt('symlink-promises', () => fs.promises.symlink('/etc', '/workspace/l'));
+await attempt('write-stdout-fd', () => fs.writeSync(1, 'through fd 1\\n'));
+console.log(JSON.stringify(out));
+"""
+
+
+def test_fs_works_inside_the_workspace_and_tmp_only(sessions: Sessions) -> None:
+    result = sessions.run(sessions.create(), CONFINED, timeout_s=10)
+    assert result["exit_code"] == 0, result["stderr"]
+    out = json.loads(result["stdout"].splitlines()[-1])
+    allowed = ["write-workspace", "read-relative", "tmp", "promises", "import-promises", "stream", "opendir",
+               "chdir-tmp", "write-stdout-fd"]  # fmt: skip
+    for name in allowed:
+        assert out[name].startswith("ok"), (name, out[name])
+    assert out["read-relative"] == "ok w"
+    assert out["chdir-tmp"] == "ok /tmp"
+    refused = [name for name in out if name not in allowed and name != "require-workspace"]
+    assert {name: out[name] for name in refused} == dict.fromkeys(refused, PATH_REFUSED)
+    assert out["require-workspace"] == "ERR_METAAGENT_BLOCKED_MODULE"
+    assert "through fd 1\n" in result["stdout"]
+
+
+# --- hostile code --------------------------------------------------------------------------------------------
+
+
+def test_frames_forged_on_stdout_end_only_their_own_session(sessions: Sessions) -> None:
+    victim, attacker = sessions.create(), sessions.create()
+    sessions.run(victim, "let safe = 'untouched'")
+    forged = sessions.run(
+        attacker,
+        """
+        const Socket = Object.getPrototypeOf(require('tty').ReadStream);
+        const raw = new Socket({ fd: 1, readable: false, writable: true });
+        raw.write(Buffer.from([0x72, 0xff, 0xff, 0xff, 0xff]));  // a reply frame of 4 GiB
+        raw.write('garbage that is not a frame');
+        await new Promise((r) => setTimeout(r, 500));
+        """,
+    )
+    assert forged["session_ended"] is True
+    assert sessions.request("GET", f"/sessions/{attacker}").json()["reason"] == "killed"
+    assert sessions.run(victim, "safe")["result"] == "'untouched'"
+    assert sessions.service.get("/health").status_code == 200
+
+
+def test_a_frame_forged_through_fs_is_just_output(sessions: Sessions) -> None:
+    sid = sessions.create()
+    frame = b"r" + len(b'{"id":99,"status":"ok","result":"forged"}').to_bytes(4, "big") + b'{"id":99,"status":"ok"}'
+    result = sessions.run(sid, f"require('fs').writeSync(1, Buffer.from({list(frame)})); 'real'")
+    assert result["result"] == "'real'"
+    assert result["session_ended"] is False
+
+
+# --- faces -------------------------------------------------------------------------------------------------
+
+
+def test_code_interpreter_with_a_session_id_runs_in_the_session(sessions: Sessions) -> None:
+    sid = sessions.create()
+    first = sessions.request("POST", "/tools/code-interpreter", json={"code": "let n = 5", "session_id": sid})
+    second = sessions.request("POST", "/tools/code-interpreter", json={"code": "n * 2", "session_id": sid})
+    assert first.status_code == second.status_code == 200
+    assert second.json()["result"] == "10"
+    assert second.json()["session_id"] == sid
+    owned = sessions.request("POST", "/tools/code-interpreter", json={"code": "1", "session_id": sid, "memory_mb": 64})
+    assert owned.status_code == 422
+    assert "memory_mb" in owned.json()["error"]
+
+
+def test_a_default_session_takes_a_warm_container(sessions: Sessions) -> None:
+    from tests.sandbox.conftest import wait_for_warm_containers
+
+    wait_for_warm_containers(sessions.service)
+    sid = sessions.create()
+    created = [
+        r for r in audit_records(sessions.service) if r.get("session_id") == sid and r["event"] == "session.created"
+    ]
+    assert created[0]["container_path"] == "warm"
+
+
+def test_sessions_are_audited_in_the_hash_chain(sessions: Sessions, tmp_path: Path) -> None:
+    from metaagent.audit import verify
+
+    sid = sessions.create()
+    sessions.request("PUT", f"/sessions/{sid}/files/f.txt", content=b"data")
+    sessions.run(sid, "1 + 1")
+    sessions.close(sid)
+    events = [r["event"] for r in audit_records(sessions.service) if r.get("session_id") == sid]
+    assert events == ["session.created", "session.file_written", "session.call", "session.ended"]
+    records = [r for r in audit_records(sessions.service) if r.get("session_id") == sid]
+    call = next(r for r in records if r["event"] == "session.call")
+    assert call["code_sha256"] == hashlib.sha256(b"1 + 1").hexdigest()
+    assert verify(sessions.service.audit_log).ok
