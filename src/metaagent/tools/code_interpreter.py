@@ -22,6 +22,7 @@ from metaagent.packages.store import NO_PACKAGES, PackageStore, PreparedPackages
 from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine, Mount
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, payload
 from metaagent.sandbox.network import ExecutionNetwork, SandboxNetwork
+from metaagent.sandbox.output import OutputSink
 from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
 
@@ -177,7 +178,13 @@ class CodeInterpreter:
         if self.packages is not None:
             self.packages.stop_installing()
 
-    async def __call__(self, request: CodeInterpreterRequest, caller: str | None = None) -> CodeInterpreterResponse:
+    async def __call__(
+        self, request: CodeInterpreterRequest, caller: str | None = None, sink: OutputSink | None = None
+    ) -> CodeInterpreterResponse:
+        """Runs one execution; its answer. With `sink`, the output also goes there while it runs.
+
+        Every refusal (400, 429, 503) is raised before `sink.started()`: after it, only failures.
+        """
         self._refuse_if_closing()
         dependencies = self._check_packages(request.packages)
         allowlist = self._network_allowlist(request)
@@ -213,6 +220,7 @@ class CodeInterpreter:
                         timeout_s=request.timeout_s,
                         grace_s=self.grace_s,
                         prepared=warm.prepared if warm else None,
+                        sink=sink,
                     )
             except MetaAgentError as exc:
                 error = exc.message
