@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from metaagent import metrics
 from metaagent.access import current_caller
+from metaagent.sandbox.output import OutputSink
 from metaagent.services import Services
 from metaagent.tools import ToolSpec
 from metaagent.tools.code_interpreter import CodeInterpreterRequest, CodeInterpreterResponse
@@ -16,14 +17,19 @@ async def _invoke_http(svc: Services, request: HttpRequest) -> HttpResponse:
     return await svc.http(request)
 
 
-async def _invoke_code_interpreter(svc: Services, request: CodeInterpreterRequest) -> CodeInterpreterResponse:
-    return await metrics.observe_execution(_execute_as_caller(svc, request))
+async def _run_code(
+    svc: Services, request: CodeInterpreterRequest, sink: OutputSink | None = None
+) -> CodeInterpreterResponse:
+    """One execution, buffered (no sink) or streamed to `sink`: the same path either way."""
+    return await metrics.observe_execution(_execute_as_caller(svc, request, sink))
 
 
-async def _execute_as_caller(svc: Services, request: CodeInterpreterRequest) -> CodeInterpreterResponse:
+async def _execute_as_caller(
+    svc: Services, request: CodeInterpreterRequest, sink: OutputSink | None
+) -> CodeInterpreterResponse:
     caller = current_caller()  # the API key's id, set by the access check
     with svc.execution_quota.hold(caller):
-        return await svc.interpreter(request, caller=caller)
+        return await svc.interpreter(request, caller=caller, sink=sink)
 
 
 TOOLS: tuple[ToolSpec, ...] = (
@@ -36,8 +42,9 @@ TOOLS: tuple[ToolSpec, ...] = (
         CodeInterpreterRequest,
         CodeInterpreterResponse,
         "Run JavaScript in a fresh, isolated container",
-        _invoke_code_interpreter,
+        _run_code,
         error_statuses=(400, 422, 429, 502, 503, 504),
+        stream=_run_code,
     ),
     SEARCH,
     EMBEDDINGS,

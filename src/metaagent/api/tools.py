@@ -1,4 +1,7 @@
-"""`POST /tools/<name>` for every tool of the catalogue, and `GET /tools` (OpenAI function schemas)."""
+"""`POST /tools/<name>` for every tool of the catalogue, and `GET /tools` (OpenAI function schemas).
+
+A tool that streams (`ToolSpec.stream`) answers `Accept: text/event-stream` with `metaagent.api.events`.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +10,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 from metaagent.api.deps import services
 from metaagent.api.errors import error_responses
+from metaagent.api.events import OPENAPI_RESPONSE, event_stream, wants_event_stream
 from metaagent.errors import ClientGone
 from metaagent.tools import ToolSpec
 
@@ -31,7 +35,11 @@ def tools_router(tools: Sequence[ToolSpec]) -> APIRouter:
 def _add_tool_route(router: APIRouter, spec: ToolSpec) -> None:
     """`POST <spec.path>`: the body is validated by the tool's request model, the answer is its response model."""
 
-    async def endpoint(body: BaseModel, request: Request) -> BaseModel:
+    async def endpoint(body: BaseModel, request: Request) -> BaseModel | Response:
+        stream = spec.stream
+        if stream is not None and wants_event_stream(request.headers.get("accept", "")):
+            svc = services(request)
+            return event_stream(lambda sink: stream(svc, body, sink))
         # A caller that hangs up cancels its call: an execution's container is then killed and removed.
         result: list[BaseModel] = []
         failure: list[Exception] = []
@@ -71,5 +79,5 @@ def _add_tool_route(router: APIRouter, spec: ToolSpec) -> None:
         summary=spec.summary,
         description=spec.description,
         operation_id=f"tool_{spec.name}",
-        responses=error_responses(*spec.error_statuses),
+        responses={**error_responses(*spec.error_statuses), **(OPENAPI_RESPONSE if spec.stream else {})},
     )
