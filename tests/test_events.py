@@ -202,6 +202,27 @@ def test_a_client_that_disconnects_cancels_the_call() -> None:
         assert cancelled.wait(WAIT_S)
 
 
+def test_a_client_that_leaves_a_silent_stream_cancels_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(events_module, "KEEPALIVE_S", 3600)  # no send could notice the hang-up: the watch must
+    cancelled = threading.Event()
+
+    async def call(sink: OutputSink) -> Answer:
+        sink.started()
+        sink.output("stdout", "then silence\n")
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            cancelled.set()
+            raise
+        raise AssertionError("unreachable")
+
+    with app_with(call) as url:
+        with httpx2.stream("POST", url, headers=SSE, timeout=WAIT_S) as response:
+            events = iter(httpx2.EventSource(response))
+            assert next(events).data == '{"text":"then silence\\n"}'
+        assert cancelled.wait(WAIT_S)
+
+
 def test_a_client_that_disconnects_before_the_start_cancels_the_waiting_call() -> None:
     waiting, cancelled = threading.Event(), threading.Event()
 

@@ -18,22 +18,25 @@ client that disconnects cancels the call (an execution's container is then kille
 
 A slow client never makes the service hold more than `MAX_PENDING_CHARS` of its output (plus the
 chunk that crossed the bound): past it, output events stop and one `dropped` event says so; the result
-still carries the output, capped as usual. Framing is FastAPI's (`format_sse_event`), streaming and the
-disconnect watch Starlette's `StreamingResponse`.
+still carries the output, capped as usual. Framing is FastAPI's (`format_sse_event`), streaming
+Starlette's `StreamingResponse`; the disconnect watch is this module's, one for the whole answer, so it
+holds before the start too and whichever ASGI version the server speaks.
 """
 
 from __future__ import annotations
 
 import json
 from collections import deque
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from metaagent.api.errors import error_response, error_status_and_body
 from metaagent.sandbox.output import SinkCall, Stream
@@ -203,37 +206,30 @@ class EventStreamResponse(Response):
                 finally:
                     events.close()
 
+            async def cancel_when_gone() -> None:
+                # The body is read already, so the next ASGI message can only be the disconnect. This is the
+                # one reader of `receive`, whatever the ASGI version: the responses below get none.
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()  # the caller hung up: cancel the call, answer nobody
+
             group.start_soon(run)
-            if not await _started_unless_gone(events, receive):
-                group.cancel_scope.cancel()  # the caller hung up while it waited: cancel, answer nobody
-                return
+            group.start_soon(cancel_when_gone)
+            await events.wait_started_or_closed()
+            response: Response
             if not events.started_event.is_set() and outcome and isinstance(outcome[0], Exception):
-                await error_response(outcome[0])(scope, receive, send)  # a refusal: no stream
-                return
-            body = StreamingResponse(_EventIterator(events, outcome), headers=dict(self.headers), media_type=MEDIA_TYPE)
-            await body(scope, receive, send)
-            # The stream ended: after the last event, or because the client went away (then the call is
-            # still running, and this cancels it).
-            group.cancel_scope.cancel()
+                response = error_response(outcome[0])  # a refusal: no stream
+            else:
+                iterator = _EventIterator(events, outcome)
+                response = StreamingResponse(iterator, headers=dict(self.headers), media_type=MEDIA_TYPE)
+            with suppress(OSError, ClientDisconnect):  # the connection broke under a send: nobody to answer
+                await response(scope, _no_message, send)
+            group.cancel_scope.cancel()  # after the last event the call has ended; otherwise this ends it
 
 
-async def _started_unless_gone(events: OutputEvents, receive: Receive) -> bool:
-    """Waits until the call started or ended; False if the client disconnected first."""
-    gone = False
-    async with anyio.create_task_group() as group:
-
-        async def watch_disconnect() -> None:
-            nonlocal gone
-            # The body is read already, so the next ASGI message can only be the disconnect.
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            group.cancel_scope.cancel()
-
-        group.start_soon(watch_disconnect)
-        await events.wait_started_or_closed()
-        group.cancel_scope.cancel()
-    return not gone
+async def _no_message() -> Message:
+    await anyio.sleep_forever()
+    raise AssertionError("unreachable")
 
 
 def event_stream(call: SinkCall, *, max_pending: int = MAX_PENDING_CHARS) -> EventStreamResponse:
