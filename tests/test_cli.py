@@ -164,3 +164,13 @@ def test_run_refuses_a_program_past_the_code_limit_with_exit_2(tmp_path: Path) -
     assert result.returncode == 2
     assert "cannot run: Invalid request: code:" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_run_without_a_container_engine_says_so_in_one_line_and_exits_1(tmp_path: Path) -> None:
+    program = tmp_path / "program.js"
+    program.write_text("console.log(1)")
+    result = run(tmp_path, "run", str(program), DOCKER_HOST=f"unix://{tmp_path}/no-engine.sock")
+    assert result.returncode == 1
+    assert result.stderr.startswith("metaagent: The container engine is unavailable")
+    assert result.stderr.count("\n") == 1
+    assert "Traceback" not in result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from metaagent import metrics
 from metaagent.access import current_caller
+from metaagent.sandbox.output import OutputSink
 from metaagent.services import Services
 from metaagent.sessions.models import (
     SessionClosed,
@@ -23,17 +24,22 @@ async def _invoke_http(svc: Services, request: HttpRequest) -> HttpResponse:
     return await svc.http(request)
 
 
-async def _invoke_code_interpreter(svc: Services, request: CodeInterpreterRequest) -> CodeInterpreterResponse:
-    return await metrics.observe_execution(_execute_as_caller(svc, request))
+async def _run_code(
+    svc: Services, request: CodeInterpreterRequest, sink: OutputSink | None = None
+) -> CodeInterpreterResponse:
+    """One execution, buffered (no sink) or streamed to `sink`: the same path either way."""
+    return await metrics.observe_execution(_execute_as_caller(svc, request, sink))
 
 
-async def _execute_as_caller(svc: Services, request: CodeInterpreterRequest) -> CodeInterpreterResponse:
+async def _execute_as_caller(
+    svc: Services, request: CodeInterpreterRequest, sink: OutputSink | None
+) -> CodeInterpreterResponse:
     caller = current_caller()  # the API key's id, set by the access check
     with svc.execution_quota.hold(caller):
         if request.session_id is not None:  # as POST /sessions/{id}/execute, with its answer
             call = SessionExecuteRequest(code=request.code, timeout_s=request.timeout_s)
-            return await svc.sessions.execute(request.session_id, call, caller)
-        return await svc.interpreter(request, caller=caller)
+            return await svc.sessions.execute(request.session_id, call, caller, sink)
+        return await svc.interpreter(request, caller=caller, sink=sink)
 
 
 async def _invoke_session_create(svc: Services, request: SessionCreateRequest) -> SessionRecord:
@@ -54,8 +60,9 @@ TOOLS: tuple[ToolSpec, ...] = (
         CodeInterpreterRequest,
         CodeInterpreterResponse,
         "Run JavaScript in a fresh, isolated container",
-        _invoke_code_interpreter,
+        _run_code,
         error_statuses=(400, 422, 429, 502, 503, 504),
+        stream=_run_code,
     ),
     SEARCH,
     EMBEDDINGS,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, TextIO
 
 import typer
 import uvicorn
@@ -127,10 +129,12 @@ def run(
         message, _details = describe_validation_errors(exc.errors())
         raise _fail(f"metaagent: {file} cannot run: {message}") from None
 
+    terminal = _Terminal()
+    caught: list[int] = []
+
     async def execute() -> int:
         engine = Engine()
         image = SandboxImage(engine, tag=settings.sandbox_image, cache_dir=settings.sandbox_cache_dir)
-        await image.refresh(build=settings.sandbox_build_on_start)
         interpreter = CodeInterpreter(
             engine,
             image,
@@ -142,22 +146,109 @@ def run(
             grace_s=settings.kill_grace_s,
         )
         try:
-            result = await interpreter(request, caller="cli")
+            await image.refresh(build=settings.sandbox_build_on_start)
+            result = await interpreter(request, caller="cli", sink=terminal)
         finally:
             engine.close()
-        sys.stdout.write(result.stdout)
-        sys.stderr.write(result.stderr)
+        for stream, text in (("stdout", result.stdout), ("stderr", result.stderr)):
+            marker = text[terminal.printed[stream] :].strip().strip("[]")
+            if marker:  # the truncation marker: the tool says it, the program's output stays the program's
+                terminal.say(marker.replace("output truncated", f"{stream} truncated", 1))
         if result.timed_out:
-            print(f"metaagent: timed out after {timeout} s", file=sys.stderr)
+            terminal.say(f"timed out after {timeout} s")
         if result.oom_killed:
-            print(f"metaagent: killed at the memory limit ({memory} MiB)", file=sys.stderr)
+            terminal.say(f"killed at the memory limit ({memory} MiB)")
         return result.exit_code if result.exit_code is not None else 1
 
+    async def until_stopped() -> int | None:
+        """`execute()`'s status; None if a signal or a closed output came first (`caught` says which).
+
+        Either way the execution is then cancelled: killed, its container removed.
+        """
+        status: list[int] = []
+        failure: list[MetaAgentError] = []
+        async with anyio.create_task_group() as group:
+
+            def stop(signum: int) -> None:
+                caught.append(signum)
+                group.cancel_scope.cancel()
+
+            async def watch_signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        stop(signum)
+
+            terminal.on_reader_gone = lambda: stop(signal.SIGPIPE)
+            group.start_soon(watch_signals)
+            try:
+                status.append(await execute())
+            except MetaAgentError as exc:  # carried out of the task group unwrapped, to be said plainly
+                failure.append(exc)
+            group.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
+        return status[0] if status else None
+
     try:
-        status = anyio.run(execute)
+        status = anyio.run(until_stopped)
     except MetaAgentError as exc:
-        raise _fail(f"metaagent: {exc.message}", 1) from None
+        terminal.say(exc.message)
+        raise typer.Exit(1) from None
+    if status is None:
+        signum = caught[0]
+        if signum != signal.SIGPIPE:  # a reader that went away is told nothing, as `yes | head -1` tells nothing
+            terminal.say(f"{signal.Signals(signum).name}: the execution was stopped and its container removed")
+        raise typer.Exit(128 + signum)  # as a shell reports a program ended by that signal
     raise typer.Exit(status)
+
+
+class _Terminal:
+    """`metaagent run`'s output sink: the program's output as it comes, on its own stream; the tool's words apart.
+
+    Output is capped (50 KiB and 25 KiB), so a pipe that nobody reads cannot block these writes for long.
+    A pipe whose reader went away (`metaagent run x.js | head -1`) stops the run, as SIGPIPE stops a
+    program in a shell pipeline: `on_reader_gone` is called once, and nothing more is written.
+    """
+
+    def __init__(self) -> None:
+        self.printed = {"stdout": 0, "stderr": 0}  # characters of each stream printed
+        self.on_reader_gone: Callable[[], None] = lambda: None
+        self._reader_gone = False
+        self._line_start = True
+
+    def started(self) -> None:
+        pass
+
+    def output(self, stream: str, text: str) -> None:
+        if self._write(sys.stdout if stream == "stdout" else sys.stderr, text):
+            self.printed[stream] += len(text)
+            self._line_start = text.endswith("\n")
+
+    def say(self, message: str) -> None:
+        """One line of the tool's own on stderr, `metaagent: ` first, never glued to the program's last line."""
+        if self._write(sys.stderr, ("" if self._line_start else "\n") + f"metaagent: {message}\n"):
+            self._line_start = True
+
+    def _write(self, target: TextIO, text: str) -> bool:
+        if self._reader_gone:
+            return False
+        try:
+            target.write(text)
+            target.flush()
+        except BrokenPipeError:
+            self._reader_gone = True
+            _discard_further_writes(target)
+            self.on_reader_gone()
+            return False
+        return True
+
+
+def _discard_further_writes(target: TextIO) -> None:
+    """Points the stream at /dev/null, so that what is still buffered cannot fail again at exit."""
+    with suppress(OSError, ValueError):  # not a real file (a test's capture): nothing left to fail
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, target.fileno())
+        os.close(devnull)
 
 
 @sandbox_app.command("build")

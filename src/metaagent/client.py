@@ -9,11 +9,22 @@
 Every method returns the response's JSON body as it is documented in API.md (a dict). An error status
 raises `metaagent.errors.ServiceError`, with the status and the service's own message (`.message`)
 and extra fields (`.extra`, e.g. `host`). Network failures raise httpx2's `TransportError`.
+
+`stream_code(...)` runs code like `code_interpreter(...)` and yields its output as it comes:
+
+    for event in client.stream_code("for (let i = 1; i <= 3; i++) console.log(i)"):
+        if isinstance(event, Output):
+            print(event.text, end="")      # event.stream is "stdout" or "stderr"
+        elif isinstance(event, Finished):
+            print(event.result["exit_code"])  # the body code_interpreter() would have returned
+
+(`async for` with `AsyncClient`). The last event is `Finished`; a failure after the start raises
+ServiceError. Leaving the loop early hangs up, which kills the execution.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
@@ -28,6 +39,32 @@ DEFAULT_TIMEOUT_S = 330.0
 
 SearchType = Literal["search", "news", "images"]
 Result = TypeVar("Result")
+EVENT_STREAM = "text/event-stream"
+
+
+@dataclass(frozen=True)
+class Output:
+    """Text the program wrote, as it came (whole characters; nothing past the caps)."""
+
+    stream: Literal["stdout", "stderr"]
+    text: str
+
+
+@dataclass(frozen=True)
+class OutputDropped:
+    """This client read too slowly, so the service stopped sending output; `Finished` still has all of it."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event: `result` is the body the call answers without streaming (API.md)."""
+
+    result: dict[str, Any]
+
+
+StreamEvent = Output | OutputDropped | Finished
 
 
 @dataclass(frozen=True)
@@ -61,8 +98,53 @@ def _result(response: httpx2.Response) -> dict[str, Any]:
     raise ServiceError(response.status_code, f"Unexpected answer from the service: {text}")
 
 
+def _stream_event(sse: httpx2.ServerSentEvent) -> StreamEvent | None:
+    """The typed form of one event (None for an event this client does not know); raises at `error`."""
+    if sse.event not in ("stdout", "stderr", "dropped", "result", "error"):
+        return None
+    data = sse.json()
+    if not isinstance(data, dict):
+        raise ServiceError(502, f"Unexpected event from the service: {sse.data[:500]}")
+    if sse.event == "error":
+        status = data.pop("status", 500)
+        message = data.pop("error", "the call failed")
+        raise ServiceError(status if isinstance(status, int) else 500, str(message), **data)
+    if sse.event == "result":
+        return Finished(data)
+    if sse.event == "dropped":
+        return OutputDropped(str(data.get("message", "")))
+    stream: Literal["stdout", "stderr"] = "stdout" if sse.event == "stdout" else "stderr"
+    return Output(stream, str(data.get("text", "")))
+
+
+def _not_a_stream(response: httpx2.Response) -> Finished:
+    """A refusal raises ServiceError; a service that answered JSON after all gives its body as the result."""
+    return Finished(_result(response))
+
+
+def _is_event_stream(response: httpx2.Response) -> bool:
+    return response.is_success and response.headers.get("content-type", "").startswith(EVENT_STREAM)
+
+
+_UNFINISHED = "The event stream ended before its result: the connection was cut, or the service stopped"
+
+
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _code_call(
+    code: str,
+    timeout_s: int | None,
+    memory_mb: int | None,
+    packages: list[str] | None,
+    stdin: str | None,
+    network: dict[str, Any] | None,
+) -> _Call:
+    fields = _fields(
+        code=code, timeout_s=timeout_s, memory_mb=memory_mb, packages=packages, stdin=stdin, network=network
+    )
+    return _Call("POST", "/tools/code-interpreter", fields)
 
 
 class _Endpoints(Generic[Result]):
@@ -95,10 +177,7 @@ class _Endpoints(Generic[Result]):
         network: dict[str, Any] | None = None,
     ) -> Result:
         """`POST /tools/code-interpreter`: run JavaScript in a fresh container."""
-        fields = _fields(
-            code=code, timeout_s=timeout_s, memory_mb=memory_mb, packages=packages, stdin=stdin, network=network
-        )
-        return self._send(_Call("POST", "/tools/code-interpreter", fields))
+        return self._send(_code_call(code, timeout_s, memory_mb, packages, stdin, network))
 
     def search(
         self,
@@ -158,6 +237,31 @@ class Client(_Endpoints[dict[str, Any]]):
     def _send(self, call: _Call) -> dict[str, Any]:
         return _result(self._http.request(call.method, call.path, json=call.body))
 
+    def stream_code(
+        self,
+        code: str,
+        *,
+        timeout_s: int | None = None,
+        memory_mb: int | None = None,
+        packages: list[str] | None = None,
+        stdin: str | None = None,
+        network: dict[str, Any] | None = None,
+    ) -> Iterator[StreamEvent]:
+        """`POST /tools/code-interpreter` with `Accept: text/event-stream`: the output as it comes, then `Finished`."""
+        call = _code_call(code, timeout_s, memory_mb, packages, stdin, network)
+        with self._http.stream(call.method, call.path, json=call.body, headers={"Accept": EVENT_STREAM}) as response:
+            if not _is_event_stream(response):
+                response.read()
+                yield _not_a_stream(response)
+                return
+            for sse in httpx2.EventSource(response):
+                event = _stream_event(sse)
+                if event is not None:
+                    yield event
+                    if isinstance(event, Finished):
+                        return
+        raise ServiceError(502, _UNFINISHED)
+
     def close(self) -> None:
         self._http.close()
 
@@ -188,6 +292,32 @@ class AsyncClient(_Endpoints[Awaitable[dict[str, Any]]]):
 
     def _send(self, call: _Call) -> Awaitable[dict[str, Any]]:
         return self._request(call)
+
+    async def stream_code(
+        self,
+        code: str,
+        *,
+        timeout_s: int | None = None,
+        memory_mb: int | None = None,
+        packages: list[str] | None = None,
+        stdin: str | None = None,
+        network: dict[str, Any] | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """`POST /tools/code-interpreter` with `Accept: text/event-stream`: the output as it comes, then `Finished`."""
+        call = _code_call(code, timeout_s, memory_mb, packages, stdin, network)
+        headers = {"Accept": EVENT_STREAM}
+        async with self._http.stream(call.method, call.path, json=call.body, headers=headers) as response:
+            if not _is_event_stream(response):
+                await response.aread()
+                yield _not_a_stream(response)
+                return
+            async for sse in httpx2.EventSource(response):
+                event = _stream_event(sse)
+                if event is not None:
+                    yield event
+                    if isinstance(event, Finished):
+                        return
+        raise ServiceError(502, _UNFINISHED)
 
     async def aclose(self) -> None:
         await self._http.aclose()

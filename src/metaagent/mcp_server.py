@@ -4,6 +4,8 @@ Built on the SDK's low-level `Server`, so that each tool's input schema is exact
 JSON Schema (the one `GET /tools` and OpenAPI show) and a call runs the very `ToolSpec.invoke` the HTTP
 route runs, on the same `Services`. A result carries the response model as `structuredContent` and the
 same JSON as text; a refusal or failure (`MetaAgentError`) is a tool error (`isError`) with its message.
+A call of a streaming tool that carries a `progressToken` also sends its output as progress
+notifications (`metaagent.progress`); its result is the same.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from mcp.server.stdio import stdio_server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
-from pydantic import ValidationError
+from mcp.shared.jsonrpc_dispatcher import progress_token_from_params
+from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -30,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 from metaagent import __version__
 from metaagent.access import acting_as, caller_of
 from metaagent.errors import MetaAgentError, describe_validation_errors
+from metaagent.progress import with_progress
 from metaagent.services import Services
 from metaagent.tools import ToolSpec, inline_refs
 
@@ -70,7 +74,7 @@ def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) ->
         try:
             # The session runs in the task of the request that opened it: act as this request's key.
             with acting_as(caller_of(ctx.request)):
-                result = await spec.invoke(services(), request)
+                result = await _call(spec, services(), request, ctx)
         except MetaAgentError as exc:
             hint = exc.extra.get("hint")
             return _tool_error(f"{exc.message}\nhint: {hint}" if hint else exc.message)
@@ -92,6 +96,18 @@ def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) ->
         on_list_tools=list_tools,
         on_call_tool=call_tool,
     )
+
+
+async def _call(spec: ToolSpec, svc: Services, request: BaseModel, ctx: ServerRequestContext[Any]) -> BaseModel:
+    """The tool's answer; with a `progressToken` on a tool that streams, its output goes out as progress too."""
+    stream = spec.stream
+    if stream is None or progress_token_from_params(ctx.params) is None:
+        return await spec.invoke(svc, request)
+
+    async def report(progress: float, text: str) -> None:
+        await ctx.session.report_progress(progress, None, text)
+
+    return await with_progress(lambda sink: stream(svc, request, sink), report)
 
 
 def _tool_error(message: str) -> types.CallToolResult:

@@ -65,3 +65,23 @@ def test_key_ids_are_audited_and_each_key_has_its_own_execution_limit(tmp_path: 
     for secret in (ALICE, BOB):
         assert secret not in audit_text
         assert secret not in stderr
+
+
+def test_a_streamed_execution_needs_a_key_runs_under_it_and_counts_against_its_limit(tmp_path: Path) -> None:
+    sse = {"Accept": "text/event-stream"}
+    alice = {**sse, **bearer(ALICE)}
+    long_run = {"code": "console.log('up'); setInterval(() => {}, 1000)", "timeout_s": 60}
+    with serving(tmp_path, METAAGENT_API_KEYS=KEYS, METAAGENT_MAX_EXECUTIONS_PER_KEY="1") as (base, _process):
+        anonymous = httpx2.post(f"{base}{RUN}", json={"code": "1"}, headers=sse, timeout=30)
+        with httpx2.stream("POST", f"{base}{RUN}", json=long_run, headers=alice, timeout=90) as stream:
+            events = iter(httpx2.EventSource(stream))  # kept: a dropped iterator closes the stream
+            first = next(events)
+            listed = httpx2.get(f"{base}/executions", headers=bearer(ALICE), timeout=30).json()["executions"]
+            refused = httpx2.post(f"{base}{RUN}", json={"code": "1"}, headers=alice, timeout=30)
+    assert anonymous.status_code == 401
+    assert anonymous.headers["content-type"] == "application/json"
+    assert (first.event, first.json()) == ("stdout", {"text": "up\n"})
+    assert [e["caller"] for e in listed] == ["alice"]
+    assert refused.status_code == 429
+    assert refused.headers["content-type"] == "application/json"
+    assert refused.json()["error"].startswith("Key alice already has 1 executions running or queued")

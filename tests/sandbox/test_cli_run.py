@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from pathlib import Path
 
+import docker
 import pytest
 
-from tests.sandbox.conftest import Service
+from tests.sandbox.conftest import Service, owned_containers
 from tests.test_cli import METAAGENT, clean_env
 
 pytestmark = pytest.mark.docker
@@ -24,6 +26,21 @@ def metaagent_run(tmp_path: Path, code: str, *options: str, stdin: str = "") -> 
         capture_output=True,
         text=True,
         timeout=120,
+    )
+
+
+def start_run(tmp_path: Path, code: str) -> subprocess.Popen[str]:
+    """`metaagent run` of `code` (60 s timeout), its output read by the test as it comes."""
+    program = tmp_path / "program.js"
+    program.write_text(code)
+    return subprocess.Popen(
+        [*METAAGENT, "run", str(program), "--timeout", "60"],
+        cwd=tmp_path,
+        env=clean_env(tmp_path),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -54,3 +71,54 @@ def test_run_keeps_blocked_modules_blocked(sandbox_service: Service, tmp_path: P
     result = metaagent_run(tmp_path, "require('child_process').execSync('id')")
     assert result.returncode == 1
     assert 'Module "child_process" is blocked in the sandbox' in result.stderr
+
+
+@pytest.mark.parametrize(("signal_name", "status"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_run_prints_output_as_it_comes_and_a_signal_stops_the_execution(
+    sandbox_service: Service, docker_client: docker.DockerClient, tmp_path: Path, signal_name: str, status: int
+) -> None:
+    process = start_run(tmp_path, "console.log('first'); setInterval(() => console.log('again'), 200)")
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "first\n"  # while the program runs: it would run for 60 s
+        assert owned_containers(docker_client, process.pid)
+        process.send_signal(getattr(signal, signal_name))
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == status  # 128 + the signal, as a shell reports it
+    assert set(out.splitlines()) <= {"again"}
+    assert err.endswith(f"metaagent: {signal_name}: the execution was stopped and its container removed\n")
+    assert owned_containers(docker_client, process.pid) == []
+
+
+def test_run_keeps_the_programs_output_its_own_and_says_truncation_on_stderr(
+    sandbox_service: Service, tmp_path: Path
+) -> None:
+    result = metaagent_run(tmp_path, "process.stdout.write('x'.repeat(60000)); process.stderr.write('no newline')")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "x" * 51200  # the program's bytes alone: no marker in its stream
+    assert result.stderr == (
+        "no newline\nmetaagent: stdout truncated: 60000 bytes produced, the first 51200 shown\n"
+    )  # on a line of its own
+
+
+def test_run_stops_quietly_with_141_when_its_reader_goes_away(
+    sandbox_service: Service, docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
+    # As `metaagent run program.js | head -1`: the program prints for ever, its reader leaves after a line.
+    process = start_run(tmp_path, "setInterval(() => console.log('line'), 20)")
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "line\n"
+        process.stdout.close()  # the reader goes away; the next line written finds a broken pipe
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 141  # 128 + SIGPIPE, as a shell reports a program ended by it
+    assert err == ""  # no traceback, no message: a pipeline's reader leaving is no error
+    assert owned_containers(docker_client, process.pid) == []

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.docker
 
 TIMEOUT_S = 60
 PROGRAM = {"code": "console.log(6 * 7); console.error('to stderr'); process.exitCode = 3", "timeout_s": 5}
+PER_RUN = {"execution_id", "duration_ms", "queued_ms"}  # each execution's own
 
 
 def assert_ran(result: types.CallToolResult) -> None:
@@ -47,3 +48,57 @@ async def test_stdio_runs_code_in_a_sandbox(sandbox_service: Service, tmp_path: 
         async with Client(stdio_client(stdio_server(tmp_path), errlog=errlog)) as client:
             result = await client.call_tool("code_interpreter", PROGRAM)
     assert_ran(result)
+
+
+async def test_a_progress_token_brings_the_output_as_progress_and_leaves_the_result_unchanged(
+    sandbox_service: Service,
+) -> None:
+    code = """
+    let i = 0;
+    const timer = setInterval(() => {
+      i += 1;
+      console.log(`line ${i} é`);
+      if (i === 4) { console.error('to stderr'); clearInterval(timer); }
+    }, 150);
+    """
+    notifications: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        notifications.append((progress, total, message))
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with Client(f"{sandbox_service.base_url}/mcp") as client:
+            with_progress = await client.call_tool(
+                "code_interpreter", {"code": code, "timeout_s": 10}, progress_callback=on_progress
+            )
+            without = await client.call_tool("code_interpreter", {"code": code, "timeout_s": 10})
+    assert with_progress.is_error is False
+    structured, plain = with_progress.structured_content, without.structured_content
+    assert structured is not None
+    assert plain is not None
+    assert {k: v for k, v in structured.items() if k not in PER_RUN} == {
+        k: v for k, v in plain.items() if k not in PER_RUN
+    }
+    messages = [message or "" for _, _, message in notifications]
+    output = structured["stdout"] + structured["stderr"]
+    assert sorted("".join(messages).splitlines()) == sorted(output.splitlines())  # all of it, each line once
+    assert all(total is None for _, total, _ in notifications)
+    progress = [p for p, _, _ in notifications]
+    assert progress == sorted(set(progress))  # grows with every notification
+    assert progress[-1] == len(output.encode())  # bytes of output, é counted as two
+    assert json.loads(text_of(with_progress)) == structured
+
+
+async def test_a_refusal_with_a_progress_token_is_the_same_tool_error(sandbox_service: Service) -> None:
+    refused = {"code": "1", "packages": ["not-on-the-list"]}
+
+    async def on_progress(_progress: float, _total: float | None, _message: str | None) -> None:
+        raise AssertionError("a refused call has no output")
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with Client(f"{sandbox_service.base_url}/mcp") as client:
+            with_progress = await client.call_tool("code_interpreter", refused, progress_callback=on_progress)
+            without = await client.call_tool("code_interpreter", refused)
+    assert with_progress.is_error is without.is_error is True
+    assert text_of(with_progress) == text_of(without)
+    assert "not-on-the-list" in text_of(with_progress)

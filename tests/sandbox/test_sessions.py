@@ -31,8 +31,9 @@ class Sessions:
         self.service = service
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
-    def request(self, method: str, path: str, **kwargs: Any) -> httpx2.Response:
-        return httpx2.request(method, f"{self.service.base_url}{path}", headers=self.headers, timeout=120, **kwargs)
+    def request(self, method: str, path: str, headers: dict[str, str] | None = None, **kwargs: Any) -> httpx2.Response:
+        headers = {**self.headers, **(headers or {})}
+        return httpx2.request(method, f"{self.service.base_url}{path}", headers=headers, timeout=120, **kwargs)
 
     def create(self, **body: Any) -> str:
         response = self.request("POST", "/sessions", json=body or None)
@@ -570,3 +571,38 @@ def test_sessions_are_audited_in_the_hash_chain(sessions: Sessions, tmp_path: Pa
     call = next(r for r in records if r["event"] == "session.call")
     assert call["code_sha256"] == hashlib.sha256(b"1 + 1").hexdigest()
     assert verify(sessions.service.audit_log).ok
+
+
+# --- streaming --------------------------------------------------------------------------------------------
+
+
+def test_a_session_call_streams_its_output_and_ends_with_the_buffered_body(sessions: Sessions) -> None:
+    sid = sessions.create()
+    sessions.run(sid, "let n = 0")
+    code = "for (let i = 0; i < 3; i++) { console.log('tick ' + i); await new Promise(r => setTimeout(r, 300)); } ++n"
+    url = f"{sessions.service.base_url}/sessions/{sid}/execute"
+    headers = {"Accept": "text/event-stream"}
+    with httpx2.stream("POST", url, json={"code": code, "timeout_s": 10}, headers=headers, timeout=60) as response:
+        assert response.status_code == 200
+        events = [(sse.event, sse.json()) for sse in httpx2.EventSource(response)]
+    names = [name for name, _ in events]
+    assert names[-1] == "result"
+    assert names.count("result") == 1
+    assert "".join(data["text"] for name, data in events if name == "stdout") == "tick 0\ntick 1\ntick 2\n"
+    streamed = events[-1][1]
+    buffered = sessions.run(sid, code)
+    per_call = {"execution_id", "duration_ms", "queued_ms", "result"}
+    assert {k: v for k, v in streamed.items() if k not in per_call} == {
+        k: v for k, v in buffered.items() if k not in per_call
+    }
+    assert (streamed["result"], buffered["result"]) == ("1", "2")
+
+
+def test_a_streamed_call_into_an_ended_or_unknown_session_is_plain_json(sessions: Sessions) -> None:
+    sid = sessions.create()
+    sessions.close(sid)
+    headers = {"Accept": "text/event-stream"}
+    for target, status in ((sid, 410), ("ses_unknown", 404)):
+        response = sessions.request("POST", f"/sessions/{target}/execute", json={"code": "1"}, headers=headers)
+        assert response.status_code == status
+        assert response.headers["content-type"] == "application/json"

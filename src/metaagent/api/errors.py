@@ -21,13 +21,27 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"description": "Error", "content": {"application/json": {"schema": schema}}} for s in statuses}
 
 
+def error_status_and_body(exc: Exception) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body that answer `exc`: a MetaAgentError's own, else a 500 (logged, details kept back)."""
+    if isinstance(exc, MetaAgentError):
+        if exc.status_code >= 500 and exc.status_code not in (502, 503, 504):
+            log.error("internal error: %s", exc.message)
+        return exc.status_code, exc.body()
+    log.error("unexpected error", exc_info=exc)
+    return 500, {"error": "Internal error; the service log has the details"}
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    """The JSON answer to `exc`, as the handlers below give it (with `Retry-After` on a 429)."""
+    status, body = error_status_and_body(exc)
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, AtCapacity) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MetaAgentError)
     async def on_metaagent_error(_request: Request, exc: MetaAgentError) -> JSONResponse:
-        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, AtCapacity) else None
-        if exc.status_code >= 500 and exc.status_code not in (502, 503, 504):
-            log.error("internal error: %s", exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -46,5 +60,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        log.error("unexpected error", exc_info=exc)
-        return JSONResponse({"error": "Internal error; the service log has the details"}, status_code=500)
+        return error_response(exc)

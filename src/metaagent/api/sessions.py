@@ -6,7 +6,7 @@ import mimetypes
 from collections.abc import AsyncIterator
 
 import anyio
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.convertors import Convertor, register_url_convertor
@@ -14,6 +14,7 @@ from starlette.convertors import Convertor, register_url_convertor
 from metaagent.access import current_caller
 from metaagent.api.deps import services, until_disconnect
 from metaagent.api.errors import error_responses
+from metaagent.api.events import OPENAPI_RESPONSE, event_stream, wants_event_stream
 from metaagent.sessions.models import (
     FileDeleted,
     FileList,
@@ -21,6 +22,7 @@ from metaagent.sessions.models import (
     SessionClosed,
     SessionCreateRequest,
     SessionExecuteRequest,
+    SessionExecuteResponse,
     SessionList,
     SessionRecord,
 )
@@ -71,14 +73,16 @@ async def close_session(session_id: str, request: Request) -> SessionClosed:
 
 @router.post(
     "/{session_id}/execute",
-    summary="Run code in the session",
-    responses=error_responses(404, 410, 422, 429),
+    summary="Run code in the session (with Accept: text/event-stream, its output streams as it comes)",
+    responses={**error_responses(404, 410, 422, 429), **OPENAPI_RESPONSE},
+    response_model=SessionExecuteResponse,
 )
-async def execute_in_session(session_id: str, body: SessionExecuteRequest, request: Request) -> JSONResponse:
-    response = await until_disconnect(
-        request, lambda: services(request).sessions.execute(session_id, body, current_caller())
-    )
-    return JSONResponse(response.model_dump(mode="json"))  # all of SessionExecuteResponse's fields
+async def execute_in_session(session_id: str, body: SessionExecuteRequest, request: Request) -> Response:
+    sessions, caller = services(request).sessions, current_caller()
+    if wants_event_stream(request.headers.get("accept", "")):
+        return event_stream(lambda sink: sessions.execute(session_id, body, caller, sink))
+    response = await until_disconnect(request, lambda: sessions.execute(session_id, body, caller))
+    return JSONResponse(response.model_dump(mode="json"))
 
 
 @router.get("/{session_id}/files", summary="Every regular file in the workspace", responses=error_responses(404, 410))

@@ -1,4 +1,7 @@
-"""`POST /tools/<name>` for every tool of the catalogue, and `GET /tools` (OpenAI function schemas)."""
+"""`POST /tools/<name>` for every tool of the catalogue, and `GET /tools` (OpenAI function schemas).
+
+A tool that streams (`ToolSpec.stream`) answers `Accept: text/event-stream` with `metaagent.api.events`.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +9,13 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from metaagent.api.deps import services, until_disconnect
 from metaagent.api.errors import error_responses
+from metaagent.api.events import OPENAPI_RESPONSE, event_stream, wants_event_stream
 from metaagent.tools import ToolSpec
 
 
@@ -32,7 +36,11 @@ def _add_tool_route(router: APIRouter, spec: ToolSpec) -> None:
     assert spec.path is not None  # noqa: S101 -- the caller routes only tools that have a path
     """`POST <spec.path>`: the body is validated by the tool's request model, the answer is its response model."""
 
-    async def endpoint(body: BaseModel, request: Request) -> JSONResponse:
+    async def endpoint(body: BaseModel, request: Request) -> Response:
+        stream = spec.stream
+        if stream is not None and wants_event_stream(request.headers.get("accept", "")):
+            svc = services(request)
+            return event_stream(lambda sink: stream(svc, body, sink))
         result = await until_disconnect(request, lambda: spec.invoke(services(request), body))
         # The answer as the tool made it: a call into a session answers more fields than the model shows.
         return JSONResponse(result.model_dump(mode="json"))
@@ -53,5 +61,5 @@ def _add_tool_route(router: APIRouter, spec: ToolSpec) -> None:
         summary=spec.summary,
         description=spec.description,
         operation_id=f"tool_{spec.name}",
-        responses=error_responses(*spec.error_statuses),
+        responses={**error_responses(*spec.error_statuses), **(OPENAPI_RESPONSE if spec.stream else {})},
     )

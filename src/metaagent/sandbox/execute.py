@@ -19,7 +19,7 @@ import anyio
 from metaagent.errors import sole_error
 from metaagent.executions import Execution
 from metaagent.sandbox.engine import ContainerSpec, Engine, sock_recv, sock_sendall
-from metaagent.sandbox.output import CappedBuffer, Demultiplexer
+from metaagent.sandbox.output import CappedBuffer, Demultiplexer, OutputSink
 
 STDOUT_CAP = 50 * 1024
 STDERR_CAP = 25 * 1024
@@ -162,17 +162,19 @@ async def execute(
     grace_s: float,
     prepared: Prepared | None = None,
     ready_marker: bytes = RUNNER_READY,
+    sink: OutputSink | None = None,
 ) -> Outcome:
     """Runs one payload in `prepared` (a warm container) or in a container created now from `spec`.
 
-    Either way the container serves this execution only and is removed before this returns.
+    Either way the container serves this execution only and is removed before this returns. With `sink`,
+    the output goes there too as it comes, and `sink.started()` is called as the code is handed over.
     """
     execution.state = "starting"
     if prepared is None:
         prepared = await prepare(engine, spec, start=False, ready_marker=ready_marker)
     execution.container_id = prepared.container_id
     try:
-        return await _run(engine, prepared, data, execution, timeout_s=timeout_s, grace_s=grace_s)
+        return await _run(engine, prepared, data, execution, timeout_s=timeout_s, grace_s=grace_s, sink=sink)
     finally:
         prepared.sock.close()
         with anyio.CancelScope(shield=True):
@@ -180,9 +182,18 @@ async def execute(
 
 
 async def _run(
-    engine: Engine, prepared: Prepared, data: bytes, execution: Execution, *, timeout_s: float, grace_s: float
+    engine: Engine,
+    prepared: Prepared,
+    data: bytes,
+    execution: Execution,
+    *,
+    timeout_s: float,
+    grace_s: float,
+    sink: OutputSink | None,
 ) -> Outcome:
     container_id, sock, output = prepared.container_id, prepared.sock, prepared.output
+    if sink is not None:
+        output.listen(sink.output)
     exited, settled, drained = anyio.Event(), anyio.Event(), anyio.Event()
     status: list[int] = []
     if not prepared.started:
@@ -210,6 +221,8 @@ async def _run(
                     await first_of(settled, exited, drained, execution.kill_requested)
             if output.ready:  # otherwise the runner failed to start: its exit and stderr say why
                 await prepared.limit_cpus(engine)
+                if sink is not None:
+                    sink.started()
                 try:
                     await sock_sendall(sock, data)
                     sock.shutdown(socket.SHUT_WR)  # EOF on the container's stdin
@@ -238,6 +251,7 @@ async def _run(
             group.cancel_scope.cancel()
     except BaseExceptionGroup as group_error:  # an engine failure in a task: raise it, not its group
         raise sole_error(group_error) from None
+    output.finish()  # the stream is drained: a listener gets the last piece before the outcome exists
     state = await engine.state(container_id)
     exit_code = status[0] if status else state.exit_code
     return Outcome(

@@ -1,67 +1,115 @@
-"""Capped capture of a container's multiplexed output stream.
+"""Capped capture of a container's multiplexed output stream, and the listeners that see it as it comes.
 
 Without a TTY the engine sends stdout and stderr on one stream in frames: one byte for the stream
 (1 = stdout, 2 = stderr), three zero bytes, a big-endian 32-bit length, then that many bytes. We keep at
 most `cap` bytes of each stream and count the rest, so the service's memory stays bounded whatever a
 program prints.
+
+Each stream's kept bytes are decoded as they arrive, by one incremental UTF-8 decoder, and each piece
+of text goes to the listener at once: a character split across frames is held back until it is whole.
+The buffered answer is the same pieces joined, so what a listener saw and what the answer says cannot
+differ (past the cap the answer adds its truncation marker; a listener never sees it).
 """
 
 from __future__ import annotations
 
+import codecs
 import struct
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Literal, Protocol
+
+from pydantic import BaseModel
 
 STDOUT, STDERR = 1, 2
 _HEADER = struct.Struct(">BxxxI")
 
+Stream = Literal["stdout", "stderr"]
+# Called with each piece of text that passed the cap, at once and in order within its stream. It runs in
+# the task that reads the container's stream: it must not block (hand the text over and return).
+OutputListener = Callable[[Stream, str], None]
+
+
+class OutputSink(Protocol):
+    """Where one execution's (or one session call's) output goes while it runs, e.g. to an event stream.
+
+    `started()` says the code has been handed over, so no refusal (400, 404, 410, 422, 429, 503) can
+    follow; it is called at most once. `output()` is an `OutputListener`. Output may also come without
+    `started()` (a runner that failed to start and said why); neither may block.
+    """
+
+    def started(self) -> None: ...
+
+    def output(self, stream: Stream, text: str) -> None: ...
+
+
+# A call whose output goes to the sink it is given (one execution; one session call), answering with its
+# response model: what `metaagent.api.events.event_stream` and `metaagent.progress.with_progress` run.
+SinkCall = Callable[[OutputSink], Awaitable[BaseModel]]
+
 
 class ByteSink(Protocol):
+    """Where a stream's raw bytes go: a CappedBuffer, or (for a session) its frame decoder."""
+
     def add(self, data: bytes) -> None: ...
 
 
-@dataclass
 class CappedBuffer:
-    cap: int
-    kept: bytearray = field(default_factory=bytearray)
-    produced: int = 0
+    """One stream's first `cap` bytes, as text; `produced` counts every byte, kept or not."""
+
+    def __init__(self, cap: int, stream: Stream = "stdout", listener: OutputListener | None = None) -> None:
+        self.cap = cap
+        self.stream: Stream = stream
+        self.produced = 0
+        self.kept_bytes = 0
+        self._pieces: list[str] = []
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._listener = listener
+        self._finished = False
+
+    def listen(self, listener: OutputListener | None) -> None:
+        """Sends every later piece to `listener`, after what was kept so far (one piece, if any)."""
+        self._listener = listener
+        kept = "".join(self._pieces)
+        if listener is not None and kept:
+            listener(self.stream, kept)
 
     def add(self, data: bytes) -> None:
-        room = self.cap - len(self.kept)
-        if room > 0:
-            self.kept += data[:room]
+        room = self.cap - self.kept_bytes
+        if room > 0 and data:
+            kept = data[:room]
+            self.kept_bytes += len(kept)
+            self._emit(self._decoder.decode(kept))
         self.produced += len(data)
+
+    def finish(self) -> None:
+        """The stream ended: a trailing incomplete character becomes U+FFFD, unless the cap cut it off."""
+        if not self._finished and not self.truncated:
+            self._emit(self._decoder.decode(b"", final=True))
+        self._finished = True
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)
+            if self._listener is not None:
+                self._listener(self.stream, text)
 
     @property
     def truncated(self) -> bool:
         return self.produced > self.cap
 
+    @property
+    def shown_bytes(self) -> int:
+        """The kept bytes that are whole characters (the cap may cut the last one)."""
+        pending, _flag = self._decoder.getstate()
+        return self.kept_bytes - len(pending)
+
     def text(self) -> str:
-        """The kept bytes as text, cut on a UTF-8 boundary, with a marker when bytes were dropped."""
-        data = bytes(self.kept)
+        """What a listener was sent, joined; with a marker when bytes were dropped."""
+        text = "".join(self._pieces)
         if not self.truncated:
-            return data.decode("utf-8", errors="replace")
-        cut = utf8_boundary(data)
-        text = data[:cut].decode("utf-8", errors="replace")
-        return f"{text}\n[output truncated: {self.produced} bytes produced, the first {cut} shown]\n"
-
-
-def utf8_boundary(data: bytes) -> int:
-    """The length of `data` without a trailing, incomplete UTF-8 character."""
-    for back in range(1, min(4, len(data)) + 1):
-        byte = data[-back]
-        if byte & 0xC0 != 0x80:  # ASCII or the lead byte of a multi-byte character
-            need = 1 if byte < 0x80 else _char_length(byte)
-            return len(data) - back if need > back else len(data)
-    return len(data)
-
-
-def _char_length(lead: int) -> int:
-    if lead >= 0xF0:
-        return 4
-    if lead >= 0xE0:
-        return 3
-    return 2
+            pending, _flag = self._decoder.getstate()  # empty after finish(); before it, what finish() adds
+            return text + pending.decode("utf-8", errors="replace")
+        return f"{text}\n[output truncated: {self.produced} bytes produced, the first {self.shown_bytes} shown]\n"
 
 
 class Demultiplexer:
@@ -74,8 +122,8 @@ class Demultiplexer:
     """
 
     def __init__(self, stdout_cap: int, stderr_cap: int, ready_marker: bytes = b"") -> None:
-        self.stdout = CappedBuffer(stdout_cap)
-        self.stderr = CappedBuffer(stderr_cap)
+        self.stdout = CappedBuffer(stdout_cap, "stdout")
+        self.stderr = CappedBuffer(stderr_cap, "stderr")
         self._pending = bytearray()
         self._stream = 0
         self._remaining = 0
@@ -108,6 +156,16 @@ class Demultiplexer:
     def redirect(self, stdout: ByteSink, stderr: ByteSink) -> None:
         """From now on, each stream's bytes go to these sinks (a session's frames and raw stderr)."""
         self._sinks = (stdout, stderr)
+
+    def listen(self, listener: OutputListener | None) -> None:
+        """Sends both streams' text to `listener` from now on (after what each kept so far)."""
+        self.stdout.listen(listener)
+        self.stderr.listen(listener)
+
+    def finish(self) -> None:
+        """The stream ended: flush what each decoder still holds (see `CappedBuffer.finish`)."""
+        self.stdout.finish()
+        self.stderr.finish()
 
     def feed(self, data: bytes) -> None:
         view = memoryview(data)

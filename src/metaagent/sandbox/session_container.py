@@ -13,12 +13,11 @@ within the grace period the container is killed and the session ends.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -29,12 +28,9 @@ from metaagent.executions import Execution
 from metaagent.sandbox import session_wire as wire
 from metaagent.sandbox.engine import Engine
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Prepared, first_of
-from metaagent.sandbox.output import CappedBuffer
+from metaagent.sandbox.output import CappedBuffer, OutputListener, OutputSink, Stream
 
 log = logging.getLogger("metaagent.session")
-
-# Output text as it passes the caps, for streaming: (stream, text), stream "stdout" or "stderr".
-OutputListener = Callable[[str, str], None]
 
 READY_TIMEOUT_S = 30.0
 _DOWNLOAD_BUFFER_FRAMES = 16  # frames of 64 KiB held between the runner and a download's client
@@ -58,24 +54,24 @@ class FileRefused(Exception):
         self.message = message
 
 
-@dataclass
 class CallOutput:
-    """A call's capped output, passed on to a listener (for streaming) as it arrives."""
+    """A call's capped output (the same caps as a one-shot run), passed on to a listener as it comes."""
 
-    listener: OutputListener | None = None
-    stdout: CappedBuffer = field(default_factory=lambda: CappedBuffer(STDOUT_CAP))
-    stderr: CappedBuffer = field(default_factory=lambda: CappedBuffer(STDERR_CAP))
-    _decoders: dict[str, codecs.IncrementalDecoder] = field(default_factory=dict)
+    def __init__(self) -> None:
+        self.stdout = CappedBuffer(STDOUT_CAP, "stdout")
+        self.stderr = CappedBuffer(STDERR_CAP, "stderr")
 
-    def add(self, stream: str, data: bytes) -> None:
-        buffer = self.stdout if stream == "stdout" else self.stderr
-        room = max(0, buffer.cap - len(buffer.kept))
-        buffer.add(data)
-        if self.listener is not None and room > 0:
-            decoder = self._decoders.setdefault(stream, codecs.getincrementaldecoder("utf-8")("replace"))
-            text = decoder.decode(data[:room], final=len(data) >= room)
-            if text:
-                self.listener(stream, text)
+    def add(self, stream: Stream, data: bytes) -> None:
+        (self.stdout if stream == "stdout" else self.stderr).add(data)
+
+    def listen(self, listener: OutputListener | None) -> None:
+        """From now on (after what came before: output between calls belongs to the next call)."""
+        self.stdout.listen(listener)
+        self.stderr.listen(listener)
+
+    def finish(self) -> None:
+        self.stdout.finish()
+        self.stderr.finish()
 
 
 @dataclass(frozen=True)
@@ -198,7 +194,7 @@ class SessionContainer:
         self.exit_code = status
         with anyio.move_on_after(5):  # what the process wrote last (V8's heap message) is still in flight
             await self._drained.wait()
-        heap = _HEAP_EXHAUSTED in self._output.stderr.kept.decode("utf-8", "replace")
+        heap = _HEAP_EXHAUSTED in self._output.stderr.text()
         self.oom_killed = state.oom_killed or heap
         self._exited.set()
         self._end("oom" if self.oom_killed else "exited")
@@ -272,7 +268,7 @@ class SessionContainer:
             raise SessionGone(self.end_reason or "exited") from None
 
     async def call(
-        self, code: str, timeout_s: float, execution: Execution, listener: OutputListener | None = None
+        self, code: str, timeout_s: float, execution: Execution, sink: OutputSink | None = None
     ) -> CallOutcome:
         """Runs one call's code; interrupts it at its deadline or when the execution is killed."""
         if self.ended.is_set():
@@ -280,11 +276,9 @@ class SessionContainer:
         request_id = self._new_id()
         pending = self._expect(request_id)
         output = self._output
-        output.listener = listener
-        if listener is not None:  # what came between calls, first
-            for stream, buffer in (("stdout", output.stdout), ("stderr", output.stderr)):
-                if buffer.kept:
-                    listener(stream, bytes(buffer.kept).decode("utf-8", "replace"))
+        if sink is not None:
+            sink.started()
+            output.listen(sink.output)
         started = time.monotonic()
         execution.state = "running"
         await self._send(wire.request(wire.EXECUTE, id=request_id, code=code))
@@ -303,7 +297,8 @@ class SessionContainer:
             await self._interrupt(pending, "killed" if killed else "timeout")
         duration_ms = int((time.monotonic() - started) * 1000)
         self._output = CallOutput()
-        output.listener = None
+        output.listen(None)
+        output.finish()
         message = pending.message
         if self.ended.is_set() and not message:
             with anyio.move_on_after(5):

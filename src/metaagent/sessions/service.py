@@ -38,13 +38,12 @@ from metaagent.errors import (
 )
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
 from metaagent.sandbox.execute import STDOUT_CAP, prepare, session_payload, wait_ready
-from metaagent.sandbox.output import utf8_boundary
+from metaagent.sandbox.output import OutputSink
 from metaagent.sandbox.session_container import (
     CallOutcome,
     Download,
     FileRefused,
     FileTooLarge,
-    OutputListener,
     SessionContainer,
     SessionGone,
 )
@@ -406,8 +405,9 @@ class Sessions:
         session_id: str,
         request: SessionExecuteRequest,
         caller: str | None,
-        listener: OutputListener | None = None,
+        sink: OutputSink | None = None,
     ) -> SessionExecuteResponse:
+        """One call, buffered (no sink) or streamed to `sink`: the same path either way."""
         session = self.get(session_id, caller)
         queued_at = time.monotonic()
         async with self._use(session) as container:
@@ -418,7 +418,7 @@ class Sessions:
             )  # fmt: skip
             self.registry.add(execution)
             try:
-                outcome = await container.call(request.code, request.timeout_s, execution, listener)
+                outcome = await container.call(request.code, request.timeout_s, execution, sink)
             finally:
                 self.registry.discard(execution)
             session.executions += 1
@@ -541,9 +541,8 @@ def _capped_result(result: str | None, produced: int) -> tuple[str | None, bool]
     produced = max(produced, len(data))
     if produced <= RESULT_CAP:
         return result, False
-    cut = utf8_boundary(data[:RESULT_CAP])
-    shown = data[:cut].decode("utf-8", "replace")
-    return f"{shown}\n[result truncated: {produced} bytes, the first {cut} shown]\n", True
+    shown = data[:RESULT_CAP].decode("utf-8", "ignore")  # the cap may cut the last character: it goes
+    return f"{shown}\n[result truncated: {produced} bytes, the first {len(shown.encode())} shown]\n", True
 
 
 def _response(session_id: str, execution_id: str, outcome: CallOutcome, queued_ms: int) -> SessionExecuteResponse:

@@ -2,6 +2,10 @@
 
 Each tool's request model is its single source of truth: it validates HTTP bodies, it is the OpenAPI
 schema, the OpenAI function schema and the MCP input schema.
+
+A tool whose output comes while it runs (the code interpreter) also has `stream`: the same call with an
+`OutputSink`. Its `invoke` is that call without a sink, so the buffered answer, the event stream's
+result and the MCP result come from one path.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 if TYPE_CHECKING:
+    from metaagent.sandbox.output import OutputSink
     from metaagent.services import Services
 
 
@@ -25,6 +30,7 @@ class ToolSpec:
     summary: str
     invoke: Callable[[Services, Any], Awaitable[BaseModel]]
     error_statuses: tuple[int, ...] = (400, 422, 502, 504)
+    stream: Callable[[Services, Any, OutputSink], Awaitable[BaseModel]] | None = None
 
     @property
     def description(self) -> str:

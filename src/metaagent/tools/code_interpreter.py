@@ -23,6 +23,7 @@ from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_L
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, payload
 from metaagent.sandbox.image import runner_command
 from metaagent.sandbox.network import ExecutionNetwork, SandboxNetwork
+from metaagent.sandbox.output import OutputSink
 from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
 
@@ -221,7 +222,13 @@ class CodeInterpreter:
         if self.packages is not None:
             self.packages.stop_installing()
 
-    async def __call__(self, request: CodeInterpreterRequest, caller: str | None = None) -> CodeInterpreterResponse:
+    async def __call__(
+        self, request: CodeInterpreterRequest, caller: str | None = None, sink: OutputSink | None = None
+    ) -> CodeInterpreterResponse:
+        """Runs one execution; its answer. With `sink`, the output also goes there while it runs.
+
+        Every refusal (400, 429, 503) is raised before `sink.started()`: after it, only failures.
+        """
         self._refuse_if_closing()
         refuse_unserved_language(request.language)
         dependencies = self.check_packages(request.packages)
@@ -260,6 +267,7 @@ class CodeInterpreter:
                         timeout_s=request.timeout_s,
                         grace_s=self.grace_s,
                         prepared=warm.prepared if warm else None,
+                        sink=sink,
                     )
             except MetaAgentError as exc:
                 error = exc.message
