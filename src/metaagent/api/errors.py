@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -13,6 +14,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from metaagent.errors import AtCapacity, MetaAgentError, describe_validation_errors
 
 log = logging.getLogger("metaagent")
+
+
+class ErrorResponse(JSONResponse):
+    """A JSON error answer that any message can be put in: a lone surrogate a caller or an upstream sent,
+    quoted back, is written as its JSON escape instead of failing the answer (a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8", "backslashreplace")
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -27,12 +37,12 @@ def install_error_handlers(app: FastAPI) -> None:
         headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, AtCapacity) else None
         if exc.status_code >= 500 and exc.status_code not in (502, 503, 504):
             log.error("internal error: %s", exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+        return ErrorResponse(exc.body(), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
         message, details = describe_validation_errors(exc.errors())
-        return JSONResponse({"error": message, "details": details}, status_code=422)
+        return ErrorResponse({"error": message, "details": details}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -42,9 +52,9 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"The request body is not valid UTF-8 ({exc.__cause__.reason}); send JSON encoded as UTF-8"
         elif isinstance(exc.__cause__, RecursionError):
             message = "The request body nests arrays or objects too deeply to parse; send flatter JSON"
-        return JSONResponse({"error": message}, status_code=exc.status_code, headers=exc.headers)
+        return ErrorResponse({"error": message}, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.error("unexpected error", exc_info=exc)
-        return JSONResponse({"error": "Internal error; the service log has the details"}, status_code=500)
+        return ErrorResponse({"error": "Internal error; the service log has the details"}, status_code=500)

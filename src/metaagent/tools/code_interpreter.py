@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
@@ -24,6 +24,7 @@ from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, 
 from metaagent.sandbox.network import ExecutionNetwork, SandboxNetwork
 from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
+from metaagent.validation import ToolRequest
 
 log = logging.getLogger("metaagent.code_interpreter")
 
@@ -32,9 +33,7 @@ DEFAULT_MEMORY_MB = 256
 RUNNER = "/opt/metaagent/runner.js"
 
 
-class NetworkPolicy(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class NetworkPolicy(ToolRequest):
     allow: list[str] = Field(
         min_length=1,
         max_length=32,
@@ -42,7 +41,7 @@ class NetworkPolicy(BaseModel):
     )
 
 
-class CodeInterpreterRequest(BaseModel):
+class CodeInterpreterRequest(ToolRequest):
     """Run JavaScript (a CommonJS script on Node.js 18) in a fresh, isolated container and return its output.
 
     The container has no network, a read-only file system except a 100 MB /tmp, no privileges, and
@@ -50,8 +49,6 @@ class CodeInterpreterRequest(BaseModel):
     programs or raw sockets (fs, child_process, net, ...) are blocked. With `network`, http, https and
     fetch reach the listed hosts (and only those). Print results with console.log.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     code: str = Field(min_length=1, max_length=MAX_CODE_BYTES, description="JavaScript source (CommonJS).")
     timeout_s: int = Field(default=8, ge=1, le=300, description="Wall-clock limit in seconds.")
