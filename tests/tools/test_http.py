@@ -68,18 +68,6 @@ async def test_blocked_request_writes_an_audit_record(service: ServiceFactory, t
     assert records[-1]["tool"] == "http"
 
 
-async def test_control_characters_in_a_blocked_url_cannot_forge_log_lines(
-    service: ServiceFactory, caplog: pytest.LogCaptureFixture
-) -> None:
-    async with service(allow_http_hosts=LOCAL) as client:
-        response = await client.post("/tools/http", json={"url": "https://evil.com/x\r\n[SECURITY] all good\u2028\x00"})
-    assert response.status_code == 400
-    (line,) = security_lines(caplog)
-    for raw in ("\n", "\r", "\x00", "\u2028"):
-        assert raw not in line
-    assert "\\x0d\\x0a[SECURITY] all good\\u2028\\x00" in line
-
-
 async def test_userinfo_trick_is_judged_by_the_real_host(
     service: ServiceFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
