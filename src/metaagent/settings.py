@@ -90,14 +90,32 @@ class Settings(BaseSettings):
     # Operations.
     audit_log: Path = Path("metaagent-audit.jsonl")
     log_format: str = Field(default="text", pattern="^(text|json)$")
-    # Host headers accepted at /mcp besides localhost's (DNS-rebinding protection); `*` turns the check off.
-    mcp_allowed_hosts: Annotated[str, NoDecode] = ""
+    # Host headers every route accepts besides the loopback names (DNS-rebinding protection); `*` turns the
+    # check off. METAAGENT_MCP_ALLOWED_HOSTS is its older name, still read.
+    allowed_hosts: Annotated[str, NoDecode] = Field(
+        default="",
+        validation_alias=AliasChoices(
+            "METAAGENT_ALLOWED_HOSTS", "METAAGENT_MCP_ALLOWED_HOSTS", "allowed_hosts", "mcp_allowed_hosts"
+        ),
+    )
+    # MCP sessions (streamable HTTP): all of them at once (default: 4 x (concurrency + queue)), one key's
+    # share (default: the total divided among the keys), and the idle time after which one is closed.
+    mcp_max_sessions: int | None = Field(default=None, ge=1, le=100_000)
+    mcp_sessions_per_key: int | None = Field(default=None, ge=1, le=100_000)
+    mcp_session_idle_timeout_s: float = Field(default=300.0, ge=1, le=86_400)
 
     def effective_concurrency(self, cpu_count: int) -> int:
         """Concurrent executions: as many containers as the CPUs hold at `sandbox_cpus` each."""
         if self.max_concurrent_executions is not None:
             return self.max_concurrent_executions
         return max(1, int(cpu_count / self.sandbox_cpus))
+
+    def effective_mcp_max_sessions(self, cpu_count: int) -> int:
+        """MCP sessions at once: a few per execution the service can run or queue, so agents that hold a
+        session each always fit, and a flood of unclosed `initialize` requests cannot hold much memory."""
+        if self.mcp_max_sessions is not None:
+            return self.mcp_max_sessions
+        return 4 * (self.effective_concurrency(cpu_count) + self.execution_queue_size)
 
     def effective_pool_size(self, cpu_count: int) -> int:
         if not self.pool_enabled:
