@@ -54,6 +54,15 @@ class Settings(BaseSettings):
     # OpenAI takes at most 2048 inputs and 300k tokens per request; a token is at least one UTF-8 byte.
     embeddings_batch_size: int = Field(default=2048, ge=1, le=2048)
     embeddings_batch_max_bytes: int = Field(default=300_000, ge=1)
+    # Decoded answers are counted while they stream in and refused past these sizes: a real Serper answer
+    # is well under 1 MiB; 2048 embeddings of 3072 dimensions in base64 are about 34 MB (each batch is also
+    # held to what its own inputs and dimensions can need).
+    search_max_response_bytes: int = Field(default=4 * MIB, ge=64 * KIB)
+    embeddings_max_response_bytes: int = Field(default=64 * MIB, ge=64 * KIB)
+    # The outbound connection pool of the http, search and embeddings tools (see metaagent.egress.pool).
+    egress_connections_per_host: int = Field(default=8, ge=1, le=1024)
+    egress_max_connections: int = Field(default=64, ge=1, le=4096)
+    egress_pool_wait_s: float = Field(default=5.0, gt=0, le=120)
 
     # Code interpreter.
     sandbox_image: str | None = None
