@@ -8,7 +8,10 @@ its field allows. These strategies produce both, for any field.
 
 from __future__ import annotations
 
+import base64
 import copy
+import gzip
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -137,3 +140,83 @@ def with_hostile_strings(body: Any) -> st.SearchStrategy[Any]:
         return st.just(body)
     hostile = st.tuples(st.sampled_from(paths), st.one_of(lone_surrogates(), over_long(None)))
     return st.one_of(st.just(body), hostile.map(lambda pair: replace_at(body, *pair)))
+
+
+# Hostile upstream answers: what a compromised or broken Serper or OpenAI could send.
+
+
+def hostile_text(secrets: tuple[str, ...] = ()) -> st.SearchStrategy[str]:
+    """Ordinary text, text with lone surrogates or controls, and text that echoes a secret in some form."""
+    plain = st.text(max_size=40)
+    echoed = st.tuples(plain, st.sampled_from(secrets), plain).map("".join) if secrets else plain
+    controls = st.text(st.characters(max_codepoint=0x9F), max_size=20)
+    return st.one_of(plain, lone_surrogates(), controls, echoed)
+
+
+def json_values(secrets: tuple[str, ...] = ()) -> st.SearchStrategy[Any]:
+    """Any JSON value, with hostile strings (keys included) and numbers that do not fit a float."""
+    numbers = st.one_of(
+        st.integers(),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.just(10**400),
+        st.just(-(10**30)),
+    )
+    leaves = st.one_of(st.none(), st.booleans(), numbers, hostile_text(secrets))
+    return st.recursive(
+        leaves,
+        lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(hostile_text(secrets), inner, max_size=5)),
+        max_leaves=25,
+    )
+
+
+def json_bytes(value: Any) -> bytes:
+    """A JSON value as an upstream would send it: `NaN`, `Infinity`, 400-digit integers and lone surrogate
+    escapes included (which a strict JSON writer would refuse)."""
+    return json.dumps(value, allow_nan=True).encode()
+
+
+def serper_answers(secrets: tuple[str, ...]) -> st.SearchStrategy[Any]:
+    """Serper-shaped answers (any field of any type) and arbitrary JSON values."""
+    items = st.dictionaries(
+        st.sampled_from(["title", "link", "snippet", "position", "date", "source", "imageUrl", "thumbnailUrl"]),
+        json_values(secrets),
+    )
+    shaped = st.fixed_dictionaries(
+        {},
+        optional={
+            "organic": st.one_of(st.lists(items, max_size=4), json_values(secrets)),
+            "news": st.lists(items, max_size=3),
+            "images": st.lists(items, max_size=3),
+            "answerBox": json_values(secrets),
+            "knowledgeGraph": json_values(secrets),
+            "peopleAlsoAsk": json_values(secrets),
+            "relatedSearches": json_values(secrets),
+        },
+    )
+    return st.one_of(shaped, json_values(secrets))
+
+
+def openai_answers(secrets: tuple[str, ...]) -> st.SearchStrategy[Any]:
+    """OpenAI-shaped embeddings answers (vectors as lists, base64 or anything else) and arbitrary JSON."""
+    vectors = st.one_of(
+        st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers()), max_size=8),
+        st.binary(max_size=32).map(lambda raw: base64.b64encode(raw).decode()),
+        json_values(secrets),
+    )
+    item = st.fixed_dictionaries(
+        {"embedding": vectors}, optional={"index": st.one_of(st.integers(-2, 3), json_values()), "object": st.text()}
+    )
+    shaped = st.fixed_dictionaries(
+        {"data": st.one_of(st.lists(item, max_size=3), json_values(secrets))},
+        optional={"model": hostile_text(secrets), "usage": json_values(secrets)},
+    )
+    return st.one_of(shaped, json_values(secrets))
+
+
+def upstream_bodies(answers: st.SearchStrategy[Any]) -> st.SearchStrategy[tuple[bytes, dict[str, str]]]:
+    """An answer's bytes and headers: plain, gzip, cut short, or labelled gzip without being gzip."""
+    plain = answers.map(lambda value: (json_bytes(value), {}))
+    gzipped = answers.map(lambda value: (gzip.compress(json_bytes(value)), {"Content-Encoding": "gzip"}))
+    cut = st.tuples(answers, st.integers(0, 64)).map(lambda pair: (json_bytes(pair[0])[: pair[1]], {}))
+    mislabelled = st.binary(max_size=64).map(lambda raw: (raw, {"Content-Encoding": "gzip"}))
+    return st.one_of(plain, gzipped, cut, mislabelled, st.binary(max_size=64).map(lambda raw: (raw, {})))

@@ -17,11 +17,15 @@ from typing import Any
 
 import httpx2
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from metaagent.app import create_app
+from metaagent.validation import lone_surrogate_at
 from tests.conftest import make_settings
 from tests.fake_upstreams import OPENAI_KEY, SERPER_KEY, FakeUpstream, Scripted, fake_openai, fake_serper
 from tests.live_service import serving
+from tests.strategies import openai_answers, serper_answers, upstream_bodies
 
 pytestmark = pytest.mark.security
 
@@ -226,3 +230,44 @@ def test_a_deeply_nested_embeddings_answer_is_a_502(live: str, openai: FakeUpstr
     response = embed(live)
     assert response.status_code == 502
     assert "nests too deeply" in response.json()["error"]
+
+
+# Hypothesis as the hostile upstream: whatever Serper or OpenAI answer, the caller gets a 200 or a 502
+# (the documented answer for what an upstream sends), never a 500, and never a key.
+ECHOED = tuple(form for key in (SERPER_KEY, OPENAI_KEY) for form in variants(key))
+STATUSES = st.sampled_from([200, 200, 200, 201, 400, 404, 500, 503])
+UPSTREAM_FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def assert_answered_without_a_key(response: httpx2.Response) -> None:
+    assert response.status_code in (200, 502), response.text
+    body = response.json()
+    if response.status_code == 502:
+        assert body["error"]
+    for secret in (SERPER_KEY, OPENAI_KEY):
+        for form in variants(secret):
+            assert form not in response.text
+    assert lone_surrogate_at(body) is None  # text the caller gets is well-formed
+
+
+@UPSTREAM_FUZZ
+@given(status=STATUSES, answer=upstream_bodies(serper_answers(ECHOED)))
+def test_any_serper_answer_is_a_200_or_a_502_without_a_key(
+    live: str, serper: FakeUpstream, status: int, answer: tuple[bytes, dict[str, str]]
+) -> None:
+    body, headers = answer
+    serper.script(Scripted(status, body, headers))
+    assert_answered_without_a_key(search(live))
+
+
+@UPSTREAM_FUZZ
+@given(status=STATUSES, answer=upstream_bodies(openai_answers(ECHOED)))
+def test_any_embeddings_answer_is_a_200_or_a_502_without_a_key(
+    live: str, openai: FakeUpstream, status: int, answer: tuple[bytes, dict[str, str]]
+) -> None:
+    body, headers = answer
+    openai.script(Scripted(status, body, headers))
+    response = embed(live)
+    assert_answered_without_a_key(response)
+    if response.status_code == 200:
+        assert len(response.json()["data"]) == 1
