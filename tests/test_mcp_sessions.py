@@ -19,6 +19,7 @@ from metaagent.access import KeyRing
 from metaagent.app import create_app, session_limits
 from tests.conftest import make_settings
 from tests.live_service import serving
+from tests.service_process import service_process
 from tests.test_access import ALICE, BOB, KEYS
 from tests.test_mcp import INITIALIZE, MCP_HEADERS
 
@@ -115,3 +116,24 @@ def test_past_the_total_every_key_gets_the_sdks_503(tmp_path: Path) -> None:
         assert [initialize(base, ALICE).status_code for _ in range(3)] == [200] * 3
         assert initialize(base, BOB).status_code == 200
         assert initialize(base, BOB).status_code == 503  # the shares were set above the total's
+
+
+@pytest.mark.slow
+def test_a_flood_of_unclosed_initialize_requests_leaves_memory_bounded_and_other_keys_served(tmp_path: Path) -> None:
+    """The finding, against a real `serve` process with its default limits: the flood fills one key's
+    share and no more, so the resident memory stays within a generous bound and bob still gets a session."""
+    flood = 2_000
+    with service_process(tmp_path, METAAGENT_API_KEYS=KEYS) as service:
+        assert initialize(service.base, BOB).status_code == 200  # every code path of a session has run once
+        before = max(service.memory_kib("VmRSS"), service.memory_kib("VmHWM"))
+        statuses: dict[int, int] = {}
+        with httpx2.Client(base_url=service.base, timeout=60) as client:
+            headers = {**MCP_HEADERS, "Authorization": f"Bearer {ALICE}"}
+            for _ in range(flood):
+                status = client.post("/mcp", json=INITIALIZE, headers=headers).status_code
+                statuses[status] = statuses.get(status, 0) + 1
+        opened = statuses.get(200, 0)
+        assert 0 < opened < flood
+        assert statuses.get(429) == flood - opened  # past alice's share, only refusals
+        assert initialize(service.base, BOB).status_code == 200
+        assert service.memory_kib("VmHWM") - before < 64 * 1024
