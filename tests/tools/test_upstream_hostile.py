@@ -271,3 +271,15 @@ def test_any_embeddings_answer_is_a_200_or_a_502_without_a_key(
     assert_answered_without_a_key(response)
     if response.status_code == 200:
         assert len(response.json()["data"]) == 1
+
+
+def test_a_large_honest_embeddings_answer_is_parsed_off_the_event_loop_and_answered(
+    live: str, openai: FakeUpstream
+) -> None:
+    inputs = 80  # 80 vectors of 3072 numbers as JSON lists: over 1 MiB, so parsed in a worker thread
+    answer = {"data": [{"index": i, "embedding": [0.5] * 3072} for i in range(inputs)], "model": "m"}
+    assert len(json.dumps(answer)) > 1024 * 1024
+    openai.script(Scripted(200, answer))
+    response = embed(live, input=[f"text {i}" for i in range(inputs)])
+    assert response.status_code == 200, response.text[:300]
+    assert [len(e["embedding"]) for e in response.json()["data"]] == [3072] * inputs

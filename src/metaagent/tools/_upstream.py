@@ -7,7 +7,8 @@ error, a log line or an audit record; the tools scrub their answers the same way
 An upstream is not trusted to be well-behaved either. Its answer is bounded before it is parsed: its
 decoded size is counted while it streams in (each call says how much its answer may need), the JSON
 values it can hold are counted before the parser runs (so no small answer can make the parser build
-millions of objects, or hold the event loop for long), numbers must be finite, and nesting is bounded.
+millions of objects, or hold the event loop for long; answers over 1 MiB are parsed in a worker thread),
+numbers must be finite, and nesting is bounded.
 Whatever the client library cannot take (a broken gzip body, too many content codings, a protocol
 error) is a 502 that names it.
 """
@@ -39,6 +40,7 @@ log = logging.getLogger("metaagent.upstream")
 _MAX_MESSAGE_CHARS = 500
 _MAX_ERROR_VALUES = 10_000  # an error body is a message, not a data set
 _MAX_INT_DIGITS = 20
+_PARSE_IN_THREAD_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -244,7 +246,7 @@ class JsonApi:
         while True:
             status, response_headers, body = await self._attempt(url, payload, headers, bounds.max_bytes)
             if 200 <= status < 300:
-                return self._decode(body, bounds)
+                return await self._decode(body, bounds)
             message = self.redactor.scrub(upstream_message(body))[0][:_MAX_MESSAGE_CHARS]
             if status == 429 or status >= 500:
                 wait = self._policy.delay(attempt, response_headers)
@@ -291,9 +293,13 @@ class JsonApi:
         except CLIENT_ERRORS as exc:
             raise self.malformed(self.redactor.scrub(describe_client_error(exc))[0]) from None
 
-    def _decode(self, body: bytes, bounds: AnswerBounds) -> Any:
+    async def _decode(self, body: bytes, bounds: AnswerBounds) -> Any:
         try:
-            return parse_json(body, bounds.max_values, bounds.max_depth)
+            if len(body) < _PARSE_IN_THREAD_BYTES:
+                return parse_json(body, bounds.max_values, bounds.max_depth)
+            # A large answer (a big embeddings batch) is parsed in a worker thread: the parser calls back
+            # into Python for every number, so the event loop keeps serving other requests meanwhile.
+            return await anyio.to_thread.run_sync(parse_json, body, bounds.max_values, bounds.max_depth)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise self.malformed("not JSON") from None
         except ValueError as exc:  # within the bounds of parse_json, it says which
