@@ -97,8 +97,11 @@ class CheckHostAndOrigin:
             return
         request = Request(scope)
         host = request.headers.get("host", "")
-        refusal = await self._sdk_check.validate_request(request, is_post=False)
-        if refusal is not None and refusal.status_code == 421:
+        # The SDK's check judges the Host here; the Origin is judged below, by the stricter own-origin rule
+        # (and only on what changes something), so the SDK is not shown it.
+        without_origin = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"origin"]}
+        refusal = await self._sdk_check.validate_request(Request(without_origin), is_post=False)
+        if refusal is not None:
             await send_json_error(
                 send,
                 421,
