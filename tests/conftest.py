@@ -103,7 +103,7 @@ def service(tmp_path: Path) -> ServiceFactory:
         app = create_app(make_settings(tmp_path, **overrides))
         async with app.router.lifespan_context(app):
             transport = httpx2.ASGITransport(app=app)
-            async with httpx2.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1:3102") as client:
                 yield client
 
     return start

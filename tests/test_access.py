@@ -15,6 +15,7 @@ import pytest
 from metaagent.access import ExecutionQuota, KeyRing, key_id
 from metaagent.app import create_app
 from metaagent.errors import AtCapacity, ConfigError
+from metaagent.tenancy import Caller
 from tests.conftest import ServiceFactory, make_settings
 from tests.live_service import serving as serving_app
 from tests.test_cli import METAAGENT, clean_env, free_port, run, serving
@@ -45,14 +46,16 @@ PROTECTED = [
 
 def test_keys_are_read_from_json_comma_text_and_files_with_names_or_hashed_ids(tmp_path: Path) -> None:
     key_file = tmp_path / "keys"
-    key_file.write_text(f"# operators\nci:{'c' * 20}\n\n{'d' * 20}\n")
+    key_file.write_text(f"# operators\nci:{'c' * 20}:admin\n\n{'d' * 20}\n")
     ring = KeyRing.from_settings(
         make_settings(tmp_path, api_keys=f'["alice:{ALICE}", "{BOB}"]', api_keys_file=key_file)
     )
     assert ring.key_ids == ["alice", BOB_ID, "ci", key_id("d" * 20)]
-    assert ring.identify(ALICE) == "alice"
-    assert ring.identify(BOB) == BOB_ID
-    assert ring.identify("d" * 20) == key_id("d" * 20)
+    assert ring.identify(ALICE) == Caller("alice")
+    assert ring.identify(BOB) == Caller(BOB_ID)
+    assert ring.identify("d" * 20) == Caller(key_id("d" * 20))
+    assert ring.identify("c" * 20) == Caller("ci", operator=True)  # `name:key:admin`: an operator's key
+    assert ring.identify("c" * 20 + ":admin") is None
     assert ring.identify(ALICE + "x") is None
     assert ring.identify("") is None
     same = KeyRing.from_settings(make_settings(tmp_path, api_keys=f"@{key_file}"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,3 +119,27 @@ async def test_odd_execution_ids_are_404(service: ServiceFactory, execution_id: 
         killed = await client.delete(f"/executions/{execution_id}")
     assert got.status_code == killed.status_code == 404
     assert got.json()["error"]  # "No running execution ..." or, for a path that leaves /executions, "Not Found"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"code": "1", "packages": ["x\udfff"]}, "packages"),
+        ({"code": "1", "packages": ["lodash", "\ud800lodash"]}, "packages"),
+        ({"code": "1", "network": {"allow": ["x\udfff"]}}, "network"),
+        ({"code": "1", "network": {"allow": ["api.example.com", "\udc00\ud800"]}}, "network"),
+    ],
+)
+def test_a_lone_surrogate_in_packages_or_network_allow_is_a_422_naming_the_field(
+    live_service: str, body: dict[str, object], field: str
+) -> None:
+    """The finding: these answered 500, and the refusal's audit record was lost to a UnicodeEncodeError."""
+    response = httpx2.post(
+        f"{live_service}/tools/code-interpreter",
+        content=json.dumps(body),  # a lone surrogate travels as its `\udfff` escape, as a hostile client sends it
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 422, response.text
+    assert response.json()["details"][0]["field"].startswith(field)
+    assert "lone UTF-16 surrogate" in response.json()["error"]

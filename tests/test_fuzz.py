@@ -1,5 +1,10 @@
 """Schemathesis over the service's own OpenAPI description: no generated request gets a 5xx.
 
+Both fuzzers are extended with the hostile text of `tests.strategies` (lone UTF-16 surrogates, strings
+longer than their field allows): schemathesis puts it into the bodies it generates, and hypothesis puts
+it into every string slot of every tool's request model, each of which must answer a 422 that names the
+field, over HTTP and over MCP.
+
 The service runs for real (uvicorn on 127.0.0.1, lifespan included) with an empty allow-list, dummy
 upstream keys and no container engine (`DOCKER_HOST` points at a closed loopback port), so no
 request leaves the machine. Every operation is fuzzed with valid and invalid data, except one case: a
@@ -10,18 +15,24 @@ tests/sandbox. The code interpreter is fuzzed with invalid data only, where ever
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx2
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.generation.modes import GenerationMode
 
-from metaagent.app import create_app
+from metaagent.app import TOOLS, create_app
 from tests.conftest import make_settings
 from tests.live_service import serving
+from tests.strategies import Slot, lone_surrogates, over_long, place, string_slots, with_hostile_strings
 from tests.test_cli import free_port
+from tests.test_mcp import INITIALIZE, MCP_HEADERS
 
 CODE_INTERPRETER = "tool_code_interpreter"
 SESSION_CREATE = "session_create"
@@ -54,6 +65,14 @@ code_interpreter = _schema(GenerationMode.NEGATIVE).include(operation_id=CODE_IN
 ENGINE_DOWN = "The container engine is unavailable"
 
 
+def _hostile_bodies(_context: Any, body: Any) -> st.SearchStrategy[Any]:
+    return with_hostile_strings(body)
+
+
+for _fuzzed in (everything, code_interpreter):
+    _fuzzed.hook("flatmap_body")(_hostile_bodies)
+
+
 @everything.parametrize()
 @FUZZ
 def test_no_request_to_any_endpoint_gets_a_5xx(service_url: str, case: schemathesis.Case) -> None:
@@ -71,3 +90,83 @@ def test_invalid_code_interpreter_requests_get_a_4xx(service_url: str, case: sch
     response = case.call(base_url=service_url, timeout=30)
     assert 400 <= response.status_code < 500, f"{case.body!r}: {response.status_code} {response.text}"
     assert response.json()["error"]
+
+
+# A request of each tool that its model accepts; each slot of each is then filled with hostile text.
+VALID: dict[str, dict[str, Any]] = {
+    "http": {"url": "http://127.0.0.1:9/"},
+    "code_interpreter": {"code": "console.log(1)"},
+    "search": {"q": "x"},
+    "embeddings": {"input": "x"},
+    "session_create": {},
+    "session_close": {"session_id": "ses_0"},
+}
+# Where each tool takes a JSON body over HTTP (session_close's one field is in the URL of DELETE /sessions/{id}).
+HTTP_PATHS = {spec.name: spec.path for spec in TOOLS if spec.path is not None} | {"session_create": "/sessions"}
+ALL_SLOTS = [(spec, slot) for spec in TOOLS for slot in string_slots(spec.parameters_schema())]
+SLOTS = [(spec, slot) for spec, slot in ALL_SLOTS if spec.name in HTTP_PATHS]
+
+
+def _post(service_url: str, path: str, body: dict[str, Any]) -> httpx2.Response:
+    # json.dumps writes a lone surrogate as its `\udfff` escape, as a hostile client sends it.
+    data = json.dumps(body)
+    return httpx2.post(f"{service_url}{path}", content=data, headers={"Content-Type": "application/json"}, timeout=30)
+
+
+def test_every_string_field_of_every_tool_has_a_slot() -> None:
+    fields = {(spec.name, slot.path) for spec, slot in SLOTS}
+    assert {("http", ("headers", "*")), ("http", ("headers", "X-Value")), ("http", ("body",))} <= fields
+    assert {("code_interpreter", ("packages", 0)), ("code_interpreter", ("network", "allow", 0))} <= fields
+    assert {("embeddings", ("input",)), ("embeddings", ("input", 0)), ("search", ("q",))} <= fields
+
+
+@pytest.mark.parametrize(
+    ("spec", "slot"), SLOTS, ids=[f"{spec.name}:{'.'.join(map(str, s.path))}" for spec, s in SLOTS]
+)
+@FUZZ
+@given(text=lone_surrogates())
+def test_a_lone_surrogate_in_any_string_field_is_a_422_naming_the_field(
+    service_url: str, spec: Any, slot: Slot, text: str
+) -> None:
+    response = _post(service_url, HTTP_PATHS[spec.name], place(VALID[spec.name], slot.path, text))
+    assert response.status_code == 422, response.text
+    assert response.json()["details"][0]["field"].startswith(slot.field), response.text
+
+
+@pytest.mark.parametrize(
+    ("spec", "slot"), SLOTS, ids=[f"{spec.name}:{'.'.join(map(str, s.path))}" for spec, s in SLOTS]
+)
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_an_over_long_string_in_any_field_is_refused_or_served_never_a_500(
+    service_url: str, spec: Any, slot: Slot, data: st.DataObject
+) -> None:
+    text = data.draw(over_long(slot.max_length))
+    response = _post(service_url, HTTP_PATHS[spec.name], place(VALID[spec.name], slot.path, text))
+    if slot.max_length is not None:
+        assert response.status_code == 422, response.text
+        assert response.json()["details"][0]["field"].startswith(slot.field)
+    else:
+        # Served as far as this service can (no engine, no allowed host): a refusal, never a failure.
+        assert response.status_code in (400, 413, 422, 503), response.text
+        assert response.json()["error"]
+
+
+def test_a_lone_surrogate_in_any_field_over_mcp_is_refused_as_unreadable_json(service_url: str) -> None:
+    """The MCP SDK reads JSON-RPC with a strict parser: the call never reaches a tool, and the caller is
+    told why (never "Internal error"). Sent raw, since the official client cannot send such text at all."""
+    with httpx2.Client(base_url=service_url, headers=MCP_HEADERS, timeout=30) as client:
+        opened = client.post("/mcp", json=INITIALIZE)
+        session = {"mcp-session-id": opened.headers["mcp-session-id"], "mcp-protocol-version": "2025-06-18"}
+        client.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=session)
+        for spec, slot in ALL_SLOTS:
+            arguments = place(VALID[spec.name], slot.path, "x\udfff")
+            call = {
+                "jsonrpc": "2.0",
+                "id": 2,
+                "method": "tools/call",
+                "params": {"name": spec.name, "arguments": arguments},
+            }
+            answer = client.post("/mcp", content=json.dumps(call), headers=session)
+            assert answer.status_code == 400, (spec.name, slot.path, answer.text)
+            assert "surrogate" in answer.json()["error"]["message"]

@@ -18,7 +18,7 @@ from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 from metaagent.app import TOOLS, create_app
-from metaagent.mcp_server import transport_security
+from metaagent.hosts import transport_security
 from tests.conftest import ServiceFactory, make_settings
 from tests.fake_upstreams import SERPER_KEY
 from tests.live_service import serving
@@ -181,7 +181,7 @@ async def test_mcp_refuses_a_foreign_host_header_with_421(service: ServiceFactor
 
 
 async def test_mcp_accepts_localhost_and_the_configured_extra_hosts(service: ServiceFactory) -> None:
-    async with service(mcp_allowed_hosts='["tools.internal"]') as client:
+    async with service(allowed_hosts='["tools.internal"]') as client:
         for host in ("127.0.0.1:3102", "localhost", "tools.internal:8080"):
             response = await client.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": host})
             assert response.status_code == 200, host

@@ -1,7 +1,9 @@
 """Who may call the service: API keys, the Bearer check in front of every route, and per-key limits.
 
 Keys come from `METAAGENT_API_KEYS` (a JSON array or comma-separated; `@/path` reads a file) and from
-`METAAGENT_API_KEYS_FILE` (one entry per line, `#` comments). An entry is `key` or `name:key`. Only the
+`METAAGENT_API_KEYS_FILE` (one entry per line, `#` comments). An entry is `key`, `name:key`, or
+`name:key:admin` for an operator's key, which sees and stops every caller's executions (see
+`metaagent.tenancy`; every other key sees only its own). Only the
 sha256 of each key is kept once they are read; a presented key is hashed and compared with every stored
 hash in constant time. A key's id (`name`, or `key_` and the first 8 hex digits of its sha256) is what
 audit records, logs and errors show: never the key.
@@ -9,6 +11,10 @@ audit records, logs and errors show: never the key.
 With keys, every path but `/health` needs `Authorization: Bearer <key>` (401 otherwise); `/health`
 stays open because load balancers and orchestrators probe it without credentials, and it holds no
 secret. Without keys there is no check, and `metaagent serve` listens only on loopback.
+
+The caller found is put in the request's scope twice: under `CALLER_SCOPE_KEY` for the service, and as
+`scope["user"]` (the MCP SDK's `AuthenticatedUser`, named by the key id, never the key) so that the SDK
+binds each MCP session to the key that opened it and answers 404 to any other key.
 """
 
 from __future__ import annotations
@@ -26,30 +32,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from metaagent.asgi import send_json_error
 from metaagent.errors import AtCapacity, ConfigError
 from metaagent.settings import Settings
+from metaagent.tenancy import LOCAL, Caller
 
 log = logging.getLogger("metaagent.access")
 
 KEY_MIN_LENGTH = 16
 PUBLIC_PATHS = frozenset({"/health"})
 CALLER_SCOPE_KEY = "metaagent.caller"
+OPERATOR_SUFFIX = ":admin"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _KEY_CHARS = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII: what an HTTP header carries unchanged
 _GENERATE = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
-# The key id of the request being served; read by the tools that record a caller.
-_current_caller: ContextVar[str | None] = ContextVar("metaagent_caller", default=None)
+# The caller of the request being served; read by the tools that record a caller.
+_current_caller: ContextVar[Caller] = ContextVar("metaagent_caller", default=LOCAL)
 
 
 def current_caller() -> str | None:
+    """The key id of the request being served (None without keys): what audit records name."""
+    return _current_caller.get().key_id
+
+
+def current_tenant() -> Caller:
+    """The caller of the request being served, for the ownership rule of `metaagent.tenancy`."""
     return _current_caller.get()
 
 
 @contextmanager
-def acting_as(caller: str | None) -> Iterator[None]:
+def acting_as(caller: Caller) -> Iterator[None]:
     """Runs the block as `caller` (for work that arrives outside the HTTP request's own context, e.g. MCP)."""
     token = _current_caller.set(caller)
     try:
@@ -58,11 +75,11 @@ def acting_as(caller: str | None) -> Iterator[None]:
         _current_caller.reset(token)
 
 
-def caller_of(request: Any) -> str | None:
-    """The key id the access check found for a Starlette request (None without keys or without a request)."""
+def caller_of(request: Any) -> Caller:
+    """The caller the access check found for a Starlette request (the local caller without keys)."""
     scope = getattr(request, "scope", None)
     caller = scope.get(CALLER_SCOPE_KEY) if isinstance(scope, dict) else None
-    return caller if isinstance(caller, str) else None
+    return caller if isinstance(caller, Caller) else LOCAL
 
 
 def key_id(key: str) -> str:
@@ -73,6 +90,7 @@ def key_id(key: str) -> str:
 class ApiKey:
     key_id: str
     digest: bytes
+    operator: bool = False
 
 
 class KeyRing:
@@ -109,13 +127,13 @@ class KeyRing:
             raise ConfigError("METAAGENT_API_KEYS is malformed:", problems)
         return cls(keys)
 
-    def identify(self, presented: str) -> str | None:
-        """The id of the key `presented` is, or None. Compares with every key, so timing says nothing."""
+    def identify(self, presented: str) -> Caller | None:
+        """The caller whose key `presented` is, or None. Compares with every key, so timing says nothing."""
         digest = hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest()
-        found: str | None = None
+        found: Caller | None = None
         for key in self._keys:
             if hmac.compare_digest(digest, key.digest):
-                found = key.key_id
+                found = Caller(key.key_id, operator=key.operator)
         return found
 
 
@@ -159,6 +177,9 @@ def _parse_entries(entries: list[tuple[str, str]], problems: list[str]) -> list[
             problems.append(f"{where} is empty (a stray comma?)")
             continue
         name, sep, secret = text.partition(":")
+        operator = bool(sep) and secret.endswith(OPERATOR_SUFFIX)
+        if operator:
+            secret = secret.removesuffix(OPERATOR_SUFFIX)
         if not sep:
             name, secret = "", text
         elif not _NAME.match(name):
@@ -178,7 +199,7 @@ def _parse_entries(entries: list[tuple[str, str]], problems: list[str]) -> list[
             continue
         seen_ids.add(ident)
         seen_digests.add(digest)
-        keys.append(ApiKey(ident, digest))
+        keys.append(ApiKey(ident, digest, operator))
     return keys
 
 
@@ -218,6 +239,8 @@ class RequireApiKey:
             await _unauthorized(scope, send, missing=presented is None)
             return
         scope[CALLER_SCOPE_KEY] = caller
+        # The MCP SDK ties each session to this identity (the key id; the token itself is not kept).
+        scope["user"] = AuthenticatedUser(AccessToken(token="", client_id=str(caller.key_id), scopes=[]))
         with acting_as(caller):
             await self.app(scope, receive, send)
 
@@ -247,19 +270,7 @@ async def _unauthorized(scope: Scope, send: Send, *, missing: bool) -> None:
         client[0] if client else "?",
         "no" if missing else "invalid",
     )
-    body = json.dumps({"error": message}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", challenge.encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    await send_json_error(send, 401, message, [(b"www-authenticate", challenge.encode())])
 
 
 class ExecutionQuota:

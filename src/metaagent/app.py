@@ -7,6 +7,7 @@ resource, and the tools come from `metaagent.catalogue`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -20,7 +21,8 @@ from metaagent.api.tools import tools_router
 from metaagent.body_limit import LimitRequestBody
 from metaagent.catalogue import TOOLS
 from metaagent.egress.allowlist import AllowList
-from metaagent.mcp_server import build_server, mount_mcp
+from metaagent.hosts import CheckHostAndOrigin, transport_security
+from metaagent.mcp_server import SessionLimits, build_server, mount_mcp
 from metaagent.packages.install import check_registry
 from metaagent.packages.policy import PackagePolicy
 from metaagent.sandbox.network import read_extra_ca_certs
@@ -56,17 +58,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     install_error_handlers(app)
     app.state.keys = keys
-    # Outermost last: the key check runs first, so a caller without a key gets a 401 before any body is read.
+    security = transport_security(settings.allowed_hosts)  # one setting: every route and /mcp alike
+    # Outermost last: the Host and Origin check runs first (421/403 before anything else), then the key
+    # check, so a caller without a key gets a 401 before any body is read.
     app.add_middleware(
         LimitRequestBody,
         max_bytes=settings.max_request_body_bytes,
         max_file_bytes=settings.session_max_file_mb * MIB,
     )
     app.add_middleware(RequireApiKey, keys=keys)
+    app.add_middleware(CheckHostAndOrigin, security=security)
     app.include_router(tools_router(TOOLS))
     app.include_router(executions.router)
     app.include_router(sessions.router)
     app.include_router(health.router)
     app.state.mcp_server = build_server(TOOLS, lambda: app.state.services)
-    mcp_sessions = mount_mcp(app, app.state.mcp_server, settings.mcp_allowed_hosts)
+    mcp_sessions = mount_mcp(app, app.state.mcp_server, security, session_limits(settings, keys))
+    app.state.mcp_endpoint = mcp_sessions
     return app
+
+
+def session_limits(settings: Settings, keys: KeyRing) -> SessionLimits:
+    """MCP sessions: the cap from the service's own limits, split among the keys unless set."""
+    total = settings.effective_mcp_max_sessions(os.cpu_count() or 1)
+    per_key = settings.mcp_sessions_per_key or max(1, total // max(1, len(keys)))
+    return SessionLimits(total=total, per_key=min(per_key, total), idle_timeout_s=settings.mcp_session_idle_timeout_s)

@@ -7,6 +7,12 @@ any record breaks every link after it; `verify` names the first broken record.
 
 Event names are stable: `execution.finished`, `egress.blocked`, `package.refused`, `package.install_failed`.
 Records never hold secrets or raw code: code is recorded as its sha256 and size.
+
+No record is lost silently. The writer carries whatever a record holds: a lone surrogate (which UTF-8
+cannot encode) is written as its JSON escape (`\udfff`, which reads back as the same string, so the
+hash still verifies), and a value JSON has no type for as its text. A record that still cannot be
+written (the disk is full, the file is not writable) raises `AuditWriteFailed`: the request that caused
+it fails with a 500 that says so, and the error handler logs it.
 """
 
 from __future__ import annotations
@@ -20,11 +26,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from metaagent.errors import AuditWriteFailed
+
 GENESIS = "0" * 64
 
 
 def _canonical(record: dict[str, Any]) -> bytes:
-    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    # `backslashreplace` writes a lone surrogate as the JSON escape of that code unit (JSON escapes real
+    # backslashes itself, so none is left raw): valid JSON, read back as the very same string.
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return text.encode("utf-8", "backslashreplace")
 
 
 def record_hash(record: dict[str, Any]) -> str:
@@ -65,14 +76,23 @@ class AuditLog:
                 **fields,
                 "prev_hash": self._prev,
             }
-            record["hash"] = record_hash(record)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            line = _canonical(record) + b"\n"
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
+                record["hash"] = record_hash(record)
+                line = _canonical(record) + b"\n"
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                try:
+                    written = os.write(fd, line)
+                finally:
+                    os.close(fd)
+                if written != len(line):
+                    raise OSError(f"only {written} of {len(line)} bytes were written")
+            except (OSError, ValueError, TypeError) as exc:
+                raise AuditWriteFailed(
+                    f"The audit record of this request ({event}) could not be written to {self.path} ({exc}), "
+                    "so the service does not answer it as done: the operator must make the audit log writable "
+                    "(space, permissions) before this can succeed"
+                ) from exc
             self._seq, self._prev = record["seq"], record["hash"]
             return record
 

@@ -7,11 +7,12 @@ can make the service hold more than the limit in memory for one request.
 
 from __future__ import annotations
 
-import json
 import re
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from metaagent.asgi import send_json_error
 
 
 class BodyTooLarge(HTTPException):
@@ -45,7 +46,7 @@ class LimitRequestBody:
             limit, setting = self.max_file_bytes, "METAAGENT_SESSION_MAX_FILE_MB"
         declared = _content_length(scope)
         if declared is not None and declared > limit:
-            await _reply(send, 413, _message(limit, setting))
+            await send_json_error(send, 413, _message(limit, setting))
             return
 
         received = 0
@@ -70,7 +71,7 @@ class LimitRequestBody:
             await self.app(scope, counting_receive, watching_send)
         except BodyTooLarge:
             if not response_started:
-                await _reply(send, 413, _message(limit, setting))
+                await send_json_error(send, 413, _message(limit, setting))
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -78,10 +79,3 @@ def _content_length(scope: Scope) -> int | None:
         if name == b"content-length" and value.isdigit():
             return int(value)
     return None
-
-
-async def _reply(send: Send, status: int, message: str) -> None:
-    body = json.dumps({"error": message}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

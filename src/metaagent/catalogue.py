@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from metaagent import metrics
-from metaagent.access import current_caller
+from metaagent.access import current_caller, current_tenant
 from metaagent.sandbox.output import OutputSink
 from metaagent.services import Services
 from metaagent.sessions.models import (
@@ -38,16 +38,16 @@ async def _execute_as_caller(
     with svc.execution_quota.hold(caller):
         if request.session_id is not None:  # as POST /sessions/{id}/execute, with its answer
             call = SessionExecuteRequest(code=request.code, timeout_s=request.timeout_s)
-            return await svc.sessions.execute(request.session_id, call, caller, sink)
+            return await svc.sessions.execute(request.session_id, call, current_tenant(), sink)
         return await svc.interpreter(request, caller=caller, sink=sink)
 
 
 async def _invoke_session_create(svc: Services, request: SessionCreateRequest) -> SessionRecord:
-    return await svc.sessions.create(request, current_caller())
+    return await svc.sessions.create(request, current_tenant())
 
 
 async def _invoke_session_close(svc: Services, request: SessionCloseRequest) -> SessionClosed:
-    return await svc.sessions.close(request.session_id, current_caller())
+    return await svc.sessions.close(request.session_id, current_tenant())
 
 
 TOOLS: tuple[ToolSpec, ...] = (

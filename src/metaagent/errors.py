@@ -1,6 +1,7 @@
 """Every error the service raises on purpose, in one tree, each with the HTTP status it maps to.
 
     MetaAgentError                       500 unless a subclass says otherwise
+    ├── AuditWriteFailed                 500: an audit record could not be written, so the request fails
     ├── ConfigError                      refuses to start (exit status 2)
     ├── RequestRefused                   400: policy says no; the caller can change the request
     │   ├── EgressRefused                a URL, scheme or address the egress policy forbids
@@ -38,6 +39,10 @@ class MetaAgentError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": self.message, **self.extra}
+
+
+class AuditWriteFailed(MetaAgentError):
+    """An audit record could not be written: the request fails (500, logged) rather than go unrecorded."""
 
 
 class ConfigError(MetaAgentError):

@@ -87,7 +87,12 @@ class ExecutionRegistry:
         try:
             return self._running[execution_id]
         except KeyError:
-            raise NotFound(f"No running execution {execution_id!r}; it may have finished already") from None
+            raise self.not_found(execution_id) from None
+
+    @staticmethod
+    def not_found(execution_id: str) -> NotFound:
+        """The 404 of an id that is not running, also answered for another caller's (`metaagent.tenancy`)."""
+        return NotFound(f"No running execution {execution_id!r}; it may have finished already")
 
     def all(self) -> list[Execution]:
         return list(self._running.values())

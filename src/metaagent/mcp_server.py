@@ -14,13 +14,16 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import mcp.types as types
 from fastapi import FastAPI
 from mcp.server import Server
+from mcp.server.auth.middleware.bearer_auth import AuthorizationContext
 from mcp.server.context import ServerRequestContext
 from mcp.server.stdio import stdio_server
+from mcp.server.streamable_http import StreamableHTTPServerTransport
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
@@ -40,7 +43,6 @@ from metaagent.tools import ToolSpec, inline_refs
 log = logging.getLogger("metaagent.mcp")
 
 PATH = "/mcp"
-_LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
 def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) -> Server[Any]:
@@ -76,6 +78,8 @@ def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) ->
             with acting_as(caller_of(ctx.request)):
                 result = await _call(spec, services(), request, ctx)
         except MetaAgentError as exc:
+            if exc.status_code == 500:  # the service's own failure (an audit record not written): logged
+                log.error("MCP call of tool %r failed: %s", params.name, exc.message)
             hint = exc.extra.get("hint")
             return _tool_error(f"{exc.message}\nhint: {hint}" if hint else exc.message)
         except Exception:  # the top of a tool call: the caller gets a generic error, the log the details
@@ -114,33 +118,62 @@ def _tool_error(message: str) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(text=message)], is_error=True)
 
 
-def transport_security(allowed_hosts: str) -> TransportSecuritySettings:
-    """DNS-rebinding protection: localhost's Host headers, plus `METAAGENT_MCP_ALLOWED_HOSTS` (`*`: no check).
+@dataclass(frozen=True)
+class SessionLimits:
+    """MCP sessions at once (`total`), per key (`per_key`), and how long one may be idle."""
 
-    Entries are `host` (any port) or `host:port`, as a JSON array or comma-separated.
+    total: int
+    per_key: int
+    idle_timeout_s: float
+
+
+class _KeyShareExhausted(Exception):
+    def __init__(self, key_id: str | None) -> None:
+        self.key_id = key_id
+
+
+class BoundedSessionManager(StreamableHTTPSessionManager):
+    """The SDK's session manager with a share per key on top of its global cap.
+
+    The SDK ties each session to the `AuthenticatedUser` that opened it (the key id, see
+    `metaagent.access`) and bounds all sessions together (503 past `max_sessions`). A key past its own
+    share is refused here, inside the SDK's admission (under its lock, so concurrent opens cannot
+    overshoot), and answered 429; other keys are not affected. The counts follow the SDK's own session
+    lifecycle: a session counts from its admission until the SDK discards it (closed by the client,
+    idle past the timeout, failed opening request, crash, shutdown).
     """
-    extra = _parse_hosts(allowed_hosts)
-    if "*" in extra:
-        return TransportSecuritySettings(enable_dns_rebinding_protection=False)
-    hosts: list[str] = []
-    origins: list[str] = []
-    for host in [*_LOCAL_HOSTS, *extra]:
-        forms = [host] if ":" in host.removeprefix("[").split("]")[-1] else [host, f"{host}:*"]
-        hosts.extend(forms)
-        origins.extend(f"{scheme}://{form}" for form in forms for scheme in ("http", "https"))
-    return TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins)
 
+    def __init__(self, app: Server[Any], security: TransportSecuritySettings, limits: SessionLimits) -> None:
+        super().__init__(
+            app=app,
+            security_settings=security,
+            session_idle_timeout=limits.idle_timeout_s,
+            max_sessions=limits.total,
+        )
+        self.limits = limits
+        self._owner_of: dict[str, str | None] = {}
+        self._open: dict[str | None, int] = {}
 
-def _parse_hosts(text: str) -> list[str]:
-    text = text.strip()
-    if not text:
-        return []
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        parsed = text.split(",")
-    items = parsed if isinstance(parsed, list) else [parsed]
-    return [str(item).strip().lower() for item in items if str(item).strip()]
+    def open_sessions(self, key_id: str | None) -> int:
+        return self._open.get(key_id, 0)
+
+    def _admit_session(self, requestor: AuthorizationContext | None) -> StreamableHTTPServerTransport | None:
+        key_id = requestor["client_id"] if requestor is not None else None
+        if self.open_sessions(key_id) >= self.limits.per_key:
+            raise _KeyShareExhausted(key_id)
+        transport = super()._admit_session(requestor)
+        if transport is not None and transport.mcp_session_id is not None:
+            self._owner_of[transport.mcp_session_id] = key_id
+            self._open[key_id] = self.open_sessions(key_id) + 1
+        return transport
+
+    async def _discard_session(self, session_id: str, transport: StreamableHTTPServerTransport) -> None:
+        if session_id in self._owner_of:
+            key_id = self._owner_of.pop(session_id)
+            self._open[key_id] -= 1
+            if not self._open[key_id]:
+                del self._open[key_id]
+        await super()._discard_session(session_id, transport)
 
 
 class StreamableHttpEndpoint:
@@ -149,32 +182,50 @@ class StreamableHttpEndpoint:
     A session manager runs only once, so each lifespan gets a new one: the same app can start again.
     """
 
-    def __init__(self, server: Server[Any], security: TransportSecuritySettings) -> None:
+    def __init__(self, server: Server[Any], security: TransportSecuritySettings, limits: SessionLimits) -> None:
         self._server = server
         self._security = security
-        self._manager: StreamableHTTPSessionManager | None = None
+        self.limits = limits
+        self.manager: BoundedSessionManager | None = None
 
     @asynccontextmanager
     async def run(self) -> AsyncIterator[None]:
-        manager = StreamableHTTPSessionManager(app=self._server, security_settings=self._security)
+        manager = BoundedSessionManager(self._server, self._security, self.limits)
         async with manager.run():
-            self._manager = manager
+            self.manager = manager
             try:
                 yield
             finally:
-                self._manager = None
+                self.manager = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._manager is None:
+        if self.manager is None:
             response = JSONResponse({"error": "The MCP endpoint is not running"}, status_code=503)
             await response(scope, receive, send)
             return
-        await self._manager.handle_request(scope, receive, send)
+        try:
+            await self.manager.handle_request(scope, receive, send)
+        except _KeyShareExhausted as exc:
+            who = f"Key {exc.key_id}" if exc.key_id is not None else "This caller"
+            log.warning("refused a new MCP session: %s has %d open", who, self.limits.per_key)
+            response = JSONResponse(
+                {
+                    "error": f"{who} already has {self.limits.per_key} MCP sessions open (the share per key, "
+                    "METAAGENT_MCP_SESSIONS_PER_KEY): close one (HTTP DELETE with its Mcp-Session-Id) or "
+                    f"let it idle out ({self.limits.idle_timeout_s:g} s)",
+                    "retry_after_s": 5,
+                },
+                status_code=429,
+                headers={"Retry-After": "5"},
+            )
+            await response(scope, receive, send)
 
 
-def mount_mcp(app: FastAPI, server: Server[Any], allowed_hosts: str) -> StreamableHttpEndpoint:
+def mount_mcp(
+    app: FastAPI, server: Server[Any], security: TransportSecuritySettings, limits: SessionLimits
+) -> StreamableHttpEndpoint:
     """Serves `server` at `/mcp` on `app`; the app's lifespan must enter the endpoint's `run()`."""
-    endpoint = StreamableHttpEndpoint(server, transport_security(allowed_hosts))
+    endpoint = StreamableHttpEndpoint(server, security, limits)
     app.router.routes.append(Route(PATH, endpoint, include_in_schema=False))
     return endpoint
 

@@ -19,6 +19,7 @@ from metaagent.access import ExecutionQuota
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList, empty_items_warning
 from metaagent.egress.guard import EgressGuard
+from metaagent.egress.pool import ConnectionLimits
 from metaagent.executions import ExecutionRegistry
 from metaagent.packages.policy import SETTING as NPM_SETTING
 from metaagent.packages.policy import PackagePolicy
@@ -94,7 +95,16 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
     if not config.allowlist:
         log.warning(EMPTY_ALLOWLIST_WARNING)
     audit = AuditLog(settings.audit_log)
-    guard = EgressGuard(config.allowlist, allow_private_networks=settings.allow_private_networks, audit=audit)
+    guard = EgressGuard(
+        config.allowlist,
+        allow_private_networks=settings.allow_private_networks,
+        audit=audit,
+        limits=ConnectionLimits(
+            per_host=settings.egress_connections_per_host,
+            total=settings.egress_max_connections,
+            max_wait_s=settings.egress_pool_wait_s,
+        ),
+    )
     http = HttpTool(
         guard,
         max_response_bytes=settings.http_max_response_bytes,
@@ -177,6 +187,7 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
             await http.aclose()
             await search.aclose()
             await embeddings.aclose()
+            await guard.aclose()
             engine.close()
             # Last: cancelling this task group's scope also cancels every await above in this task.
             background.cancel_scope.cancel()

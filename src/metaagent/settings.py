@@ -54,6 +54,15 @@ class Settings(BaseSettings):
     # OpenAI takes at most 2048 inputs and 300k tokens per request; a token is at least one UTF-8 byte.
     embeddings_batch_size: int = Field(default=2048, ge=1, le=2048)
     embeddings_batch_max_bytes: int = Field(default=300_000, ge=1)
+    # Decoded answers are counted while they stream in and refused past these sizes: a real Serper answer
+    # is well under 1 MiB; 2048 embeddings of 3072 dimensions in base64 are about 34 MB (each batch is also
+    # held to what its own inputs and dimensions can need).
+    search_max_response_bytes: int = Field(default=4 * MIB, ge=64 * KIB)
+    embeddings_max_response_bytes: int = Field(default=64 * MIB, ge=64 * KIB)
+    # The outbound connection pool of the http, search and embeddings tools (see metaagent.egress.pool).
+    egress_connections_per_host: int = Field(default=8, ge=1, le=1024)
+    egress_max_connections: int = Field(default=64, ge=1, le=4096)
+    egress_pool_wait_s: float = Field(default=5.0, gt=0, le=120)
 
     # Code interpreter.
     sandbox_image: str | None = None
@@ -105,8 +114,19 @@ class Settings(BaseSettings):
     # Operations.
     audit_log: Path = Path("metaagent-audit.jsonl")
     log_format: str = Field(default="text", pattern="^(text|json)$")
-    # Host headers accepted at /mcp besides localhost's (DNS-rebinding protection); `*` turns the check off.
-    mcp_allowed_hosts: Annotated[str, NoDecode] = ""
+    # Host headers every route accepts besides the loopback names (DNS-rebinding protection); `*` turns the
+    # check off. METAAGENT_MCP_ALLOWED_HOSTS is its older name, still read.
+    allowed_hosts: Annotated[str, NoDecode] = Field(
+        default="",
+        validation_alias=AliasChoices(
+            "METAAGENT_ALLOWED_HOSTS", "METAAGENT_MCP_ALLOWED_HOSTS", "allowed_hosts", "mcp_allowed_hosts"
+        ),
+    )
+    # MCP sessions (streamable HTTP): all of them at once (default: 4 x (concurrency + queue)), one key's
+    # share (default: the total divided among the keys), and the idle time after which one is closed.
+    mcp_max_sessions: int | None = Field(default=None, ge=1, le=100_000)
+    mcp_sessions_per_key: int | None = Field(default=None, ge=1, le=100_000)
+    mcp_session_idle_timeout_s: float = Field(default=300.0, ge=1, le=86_400)
 
     def effective_concurrency(self, cpu_count: int) -> int:
         """Concurrent executions: as many containers as the CPUs hold at `sandbox_cpus` each."""
@@ -116,6 +136,13 @@ class Settings(BaseSettings):
 
     def effective_session_max(self, cpu_count: int) -> int:
         return self.session_max if self.session_max is not None else 2 * self.effective_concurrency(cpu_count)
+
+    def effective_mcp_max_sessions(self, cpu_count: int) -> int:
+        """MCP sessions at once: a few per execution the service can run or queue, so agents that hold a
+        session each always fit, and a flood of unclosed `initialize` requests cannot hold much memory."""
+        if self.mcp_max_sessions is not None:
+            return self.mcp_max_sessions
+        return 4 * (self.effective_concurrency(cpu_count) + self.execution_queue_size)
 
     def effective_pool_size(self, cpu_count: int) -> int:
         if not self.pool_enabled:

@@ -35,6 +35,7 @@ async def test_a_single_text_returns_one_embedding(service: ServiceFactory, open
         "model": "text-embedding-3-small",
         "data": [{"index": 0, "embedding": vector_for("hello world")}],
         "usage": {"prompt_tokens": 2, "total_tokens": 2},
+        "redacted": 0,
     }
 
 

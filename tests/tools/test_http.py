@@ -68,18 +68,6 @@ async def test_blocked_request_writes_an_audit_record(service: ServiceFactory, t
     assert records[-1]["tool"] == "http"
 
 
-async def test_control_characters_in_a_blocked_url_cannot_forge_log_lines(
-    service: ServiceFactory, caplog: pytest.LogCaptureFixture
-) -> None:
-    async with service(allow_http_hosts=LOCAL) as client:
-        response = await client.post("/tools/http", json={"url": "https://evil.com/x\r\n[SECURITY] all good\u2028\x00"})
-    assert response.status_code == 400
-    (line,) = security_lines(caplog)
-    for raw in ("\n", "\r", "\x00", "\u2028"):
-        assert raw not in line
-    assert "\\x0d\\x0a[SECURITY] all good\\u2028\\x00" in line
-
-
 @pytest.mark.parametrize(
     ("url", "host", "reason"),
     [
@@ -100,19 +88,6 @@ async def test_a_malformed_host_is_blocked_with_the_seeds_message_and_the_reason
     assert security_lines(caplog) == [f"[SECURITY] Blocked HTTP request to disallowed host: {host} (GET {url})"]
     records = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert (records[-1]["event"], records[-1]["host"], records[-1]["reason"]) == ("egress.blocked", host, reason)
-
-
-async def test_a_malformed_host_cannot_forge_log_lines(
-    service: ServiceFactory, caplog: pytest.LogCaptureFixture
-) -> None:
-    async with service(allow_http_hosts=LOCAL) as client:
-        response = await client.post("/tools/http", json={"url": "http://a\u2028[SECURITY] ok\x85b/"})
-    assert response.status_code == 400
-    assert response.json()["host"] == "a\u2028[SECURITY] ok\x85b"
-    (line,) = security_lines(caplog)
-    assert "\u2028" not in line
-    assert "\x85" not in line
-    assert line.startswith("[SECURITY] Blocked HTTP request to disallowed host: a\\u2028[SECURITY] ok\\x85b (GET ")
 
 
 async def test_userinfo_trick_is_judged_by_the_real_host(

@@ -1,26 +1,46 @@
-"""`/executions`: the executions still running, one of them, and killing one."""
+"""`/executions`: the executions still running, one of them, and killing one; each caller sees its own.
+
+The ownership rule is `metaagent.tenancy`'s: with API keys a caller lists, reads and kills only the
+executions its key started (an operator's key: all of them), and another caller's id is the same 404 as
+an id that never existed.
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from metaagent.access import caller_of
 from metaagent.api.deps import services
 from metaagent.api.errors import error_responses
-from metaagent.executions import ExecutionInfo, ExecutionList, KillResult
+from metaagent.executions import Execution, ExecutionInfo, ExecutionList, ExecutionRegistry, KillResult
+from metaagent.tenancy import check_access, visible_to
 
 router = APIRouter(prefix="/executions", tags=["executions"])
 
 
-@router.get("", summary="Every execution still running")
+def _owner(execution: Execution) -> str | None:
+    return execution.caller
+
+
+def _own_execution(request: Request, execution_id: str) -> tuple[ExecutionRegistry, Execution]:
+    registry = services(request).executions
+    execution = registry.get(execution_id)  # 404 when it is not running
+    check_access(caller_of(request), execution, _owner(execution), lambda: registry.not_found(execution_id))
+    return registry, execution
+
+
+@router.get("", summary="Every execution of the caller still running")
 async def list_executions(request: Request) -> ExecutionList:
-    return ExecutionList(executions=[e.info() for e in services(request).executions.all()])
+    mine = visible_to(caller_of(request), services(request).executions.all(), _owner)
+    return ExecutionList(executions=[e.info() for e in mine])
 
 
 @router.get("/{execution_id}", summary="One running execution", responses=error_responses(404))
 async def get_execution(execution_id: str, request: Request) -> ExecutionInfo:
-    return services(request).executions.get(execution_id).info()
+    return _own_execution(request, execution_id)[1].info()
 
 
 @router.delete("/{execution_id}", summary="Kill a running execution now", responses=error_responses(404))
 async def kill_execution(execution_id: str, request: Request) -> KillResult:
-    return services(request).executions.kill(execution_id)
+    registry, execution = _own_execution(request, execution_id)
+    return registry.kill(execution.execution_id)

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.convertors import Convertor, register_url_convertor
 
-from metaagent.access import current_caller
+from metaagent.access import current_tenant
 from metaagent.api.deps import services, until_disconnect
 from metaagent.api.errors import error_responses
 from metaagent.api.events import OPENAPI_RESPONSE, event_stream, wants_event_stream
@@ -53,22 +53,22 @@ FILES_PREFIX = "/files/"
     responses=error_responses(400, 422, 429, 503),
 )  # fmt: skip
 async def create_session(request: Request, body: SessionCreateRequest | None = Body(default=None)) -> SessionRecord:  # noqa: B008 -- FastAPI's way to make a body optional
-    return await services(request).sessions.create(body or SessionCreateRequest(), current_caller())
+    return await services(request).sessions.create(body or SessionCreateRequest(), current_tenant())
 
 
 @router.get("", summary="The caller's open sessions")
 async def list_sessions(request: Request) -> SessionList:
-    return SessionList(sessions=services(request).sessions.list(current_caller()))
+    return SessionList(sessions=services(request).sessions.list(current_tenant()))
 
 
 @router.get("/{session_id}", summary="One session", responses=error_responses(404, 410))
 async def get_session(session_id: str, request: Request) -> SessionRecord:
-    return services(request).sessions.get(session_id, current_caller()).record()
+    return services(request).sessions.get(session_id, current_tenant()).record()
 
 
 @router.delete("/{session_id}", summary="Close a session now", responses=error_responses(404, 410))
 async def close_session(session_id: str, request: Request) -> SessionClosed:
-    return await services(request).sessions.close(session_id, current_caller())
+    return await services(request).sessions.close(session_id, current_tenant())
 
 
 @router.post(
@@ -78,7 +78,7 @@ async def close_session(session_id: str, request: Request) -> SessionClosed:
     response_model=SessionExecuteResponse,
 )
 async def execute_in_session(session_id: str, body: SessionExecuteRequest, request: Request) -> Response:
-    sessions, caller = services(request).sessions, current_caller()
+    sessions, caller = services(request).sessions, current_tenant()
     if wants_event_stream(request.headers.get("accept", "")):
         return event_stream(lambda sink: sessions.execute(session_id, body, caller, sink))
     response = await until_disconnect(request, lambda: sessions.execute(session_id, body, caller))
@@ -87,7 +87,7 @@ async def execute_in_session(session_id: str, body: SessionExecuteRequest, reque
 
 @router.get("/{session_id}/files", summary="Every regular file in the workspace", responses=error_responses(404, 410))
 async def list_files(session_id: str, request: Request) -> FileList:
-    return await services(request).sessions.list_files(session_id, current_caller())
+    return await services(request).sessions.list_files(session_id, current_tenant())
 
 
 @router.put(
@@ -98,7 +98,7 @@ async def list_files(session_id: str, request: Request) -> FileList:
 )
 async def put_file(session_id: str, path: str, request: Request) -> FileWritten:
     checked = workspace_path(_raw_file_path(request, session_id, path))
-    return await services(request).sessions.put_file(session_id, checked, request.stream(), current_caller())
+    return await services(request).sessions.put_file(session_id, checked, request.stream(), current_tenant())
 
 
 @router.get(
@@ -109,7 +109,7 @@ async def put_file(session_id: str, path: str, request: Request) -> FileWritten:
 )
 async def get_file(session_id: str, path: str, request: Request) -> StreamingResponse:
     checked = workspace_path(_raw_file_path(request, session_id, path))
-    opened = services(request).sessions.read_file(session_id, checked, current_caller())
+    opened = services(request).sessions.read_file(session_id, checked, current_tenant())
     download = await opened.__aenter__()
     done = False
 
@@ -136,7 +136,7 @@ async def get_file(session_id: str, path: str, request: Request) -> StreamingRes
 @router.delete("/{session_id}/files/{path:anypath}", summary="Delete a file", responses=error_responses(400, 404, 410))
 async def delete_file(session_id: str, path: str, request: Request) -> FileDeleted:
     checked = workspace_path(_raw_file_path(request, session_id, path))
-    return await services(request).sessions.delete_file(session_id, checked, current_caller())
+    return await services(request).sessions.delete_file(session_id, checked, current_tenant())
 
 
 def _raw_file_path(request: Request, session_id: str, decoded: str) -> bytes:

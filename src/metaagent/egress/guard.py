@@ -21,8 +21,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-import ssl
 from collections.abc import Iterable
+from contextvars import ContextVar
 from typing import Any
 
 import anyio
@@ -34,28 +34,14 @@ from metaagent import metrics
 from metaagent.audit import AuditLog
 from metaagent.egress.addresses import refusal
 from metaagent.egress.allowlist import AllowList, canonical_ip
+from metaagent.egress.pool import ConnectionLimits, FairPool
 from metaagent.egress.url import InvalidHost, SchemeRefused, Target, parse_url
 from metaagent.errors import EgressRefused, HostBlocked, UpstreamError, UpstreamTimeout
+from metaagent.logs import escape_for_log as escape_for_log  # re-exported: the tunnel escapes its wire text with it
 
 security_log = logging.getLogger("metaagent.security")
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-
-def escape_for_log(text: str) -> str:
-    """Escapes control and line-breaking characters so that a hostile URL cannot forge log lines."""
-    out = []
-    for ch in text:
-        code = ord(ch)
-        if ch == "\\":
-            out.append("\\\\")
-        elif code < 0x20 or code == 0x7F or 0x80 <= code < 0xA0:
-            out.append(f"\\x{code:02x}")
-        elif ch in "\u2028\u2029":
-            out.append(f"\\u{code:04x}")
-        else:
-            out.append(ch)
-    return "".join(out)
 
 
 def address_class(address: IPAddress) -> str | None:
@@ -67,11 +53,18 @@ def address_class(address: IPAddress) -> str | None:
 
 class EgressGuard:
     def __init__(
-        self, allowlist: AllowList, *, allow_private_networks: bool = False, audit: AuditLog | None = None
+        self,
+        allowlist: AllowList,
+        *,
+        allow_private_networks: bool = False,
+        audit: AuditLog | None = None,
+        limits: ConnectionLimits | None = None,
     ) -> None:
         self.allowlist = allowlist
         self.allow_private_networks = allow_private_networks
         self.audit = audit
+        self.limits = limits or ConnectionLimits()
+        self._pool: FairPool | None = None
 
     def _refuse(self, line: str, tool: str, **fields: Any) -> None:
         security_log.warning("[SECURITY] %s", line)
@@ -81,12 +74,12 @@ class EgressGuard:
 
     def check_url(self, url: str, method: str = "GET", *, tool: str = "http") -> Target:
         """Parses the URL and checks its scheme and host; raises EgressRefused or HostBlocked."""
-        shown = f"({method} {escape_for_log(url)})"
+        shown = f"({method} {url})"  # the log formatter escapes what a caller controls
         try:
             target = parse_url(url)
         except InvalidHost as exc:  # a host that cannot be read is blocked as one not on the list
             self._refuse(
-                f"Blocked HTTP request to disallowed host: {escape_for_log(exc.host)} {shown}",
+                f"Blocked HTTP request to disallowed host: {exc.host} {shown}",
                 tool,
                 host=exc.host,
                 url=url,
@@ -106,7 +99,7 @@ class EgressGuard:
         match = self.allowlist.match(target.host)
         if not match.allowed:
             self._refuse(
-                f"Blocked HTTP request to disallowed host: {escape_for_log(target.host)} {shown}",
+                f"Blocked HTTP request to disallowed host: {target.host} {shown}",
                 tool,
                 host=target.host,
                 url=url,
@@ -125,9 +118,8 @@ class EgressGuard:
         """
         match = self.allowlist.match(host)
         if not match.allowed:
-            shown = escape_for_log(host)
             self._refuse(
-                f"Blocked HTTP request to disallowed host: {shown} (CONNECT {shown}:{port})",
+                f"Blocked HTTP request to disallowed host: {host} (CONNECT {host}:{port})",
                 tool,
                 host=host,
                 port=port,
@@ -162,7 +154,7 @@ class EgressGuard:
             found = refusal(address)
             if found and not self.allow_private_networks and not self.allowlist.match(str(address)).allowed:
                 self._refuse(
-                    f"Blocked HTTP request to {found.kind} address: {escape_for_log(host)} resolves to {address}",
+                    f"Blocked HTTP request to {found.kind} address: {host} resolves to {address}",
                     tool,
                     host=host,
                     port=port,
@@ -180,15 +172,27 @@ class EgressGuard:
         return addresses
 
     def transport(self, *, tool: str = "http") -> httpx2.AsyncHTTPTransport:
-        return _GuardedTransport(self, tool)
+        """A transport for one tool's client; every tool's transport shares the guard's one fair pool."""
+        if self._pool is None:
+            self._pool = FairPool(_GuardedBackend(self), self.limits)
+        return _GuardedTransport(self._pool, tool)
+
+    async def aclose(self) -> None:
+        """Closes the connection pool (at shutdown, after the tools' clients)."""
+        if self._pool is not None:
+            await self._pool.aclose()
+
+
+# The tool a connection is being made for: the pool is shared, so its backend learns the tool from the
+# request's own task (httpcore connects in the task that sends the request).
+_connecting_for: ContextVar[str] = ContextVar("metaagent_egress_tool", default="http")
 
 
 class _GuardedBackend(AnyIOBackend):
     """Resolves through the guard and connects only to the addresses it approved."""
 
-    def __init__(self, guard: EgressGuard, tool: str) -> None:
+    def __init__(self, guard: EgressGuard) -> None:
         self._guard = guard
-        self._tool = tool
 
     async def connect_tcp(
         self,
@@ -198,7 +202,7 @@ class _GuardedBackend(AnyIOBackend):
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore2.AsyncNetworkStream:
-        addresses = await self._guard.resolve(host, port, tool=self._tool, timeout=timeout)
+        addresses = await self._guard.resolve(host, port, tool=_connecting_for.get(), timeout=timeout)
         last_error: Exception | None = None
         for address in addresses:
             try:
@@ -210,11 +214,24 @@ class _GuardedBackend(AnyIOBackend):
 
 
 class _GuardedTransport(httpx2.AsyncHTTPTransport):
-    def __init__(self, guard: EgressGuard, tool: str) -> None:
+    """httpx's transport around the guard's shared pool: proxies ignored, TLS verified, the tool named."""
+
+    def __init__(self, pool: FairPool, tool: str) -> None:
         super().__init__(trust_env=False)
-        # httpx does not expose the network backend, so the pool is rebuilt around ours: same TLS context
-        # (system trust store, verification on), same HTTP/1.1 pool, only the way of connecting differs.
-        self._pool = httpcore2.AsyncConnectionPool(
-            ssl_context=ssl.create_default_context(),
-            network_backend=_GuardedBackend(guard, tool),
-        )
+        # httpx does not expose the network backend, so its pool is replaced by the guard's, which is
+        # built around ours; only the way of connecting and the sharing differ.
+        self._pool = pool  # type: ignore[assignment]  # the same handle_async_request interface
+        self._tool = tool
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        token = _connecting_for.set(self._tool)
+        try:
+            return await super().handle_async_request(request)
+        finally:
+            _connecting_for.reset(token)
+
+    async def __aexit__(self, *_exc: object) -> None:
+        pass  # the pool is the guard's, closed by `EgressGuard.aclose`
+
+    async def aclose(self) -> None:
+        pass  # the pool is the guard's, closed by `EgressGuard.aclose`

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
-from urllib.parse import unquote_to_bytes
+from urllib.parse import unquote_to_bytes, urljoin
 
 import idna
 
@@ -22,6 +22,10 @@ from metaagent.errors import EgressRefused
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):(.*)$", re.DOTALL)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 MAX_SHOWN_HOST = 300  # characters of a malformed host echoed in an error
+# What the WHATWG standard percent-encodes in a path and in a query (C0 controls, space, DEL and every
+# non-ASCII character besides these), so that the URL sent carries no byte an HTTP client would refuse.
+_PATH_ENCODE = frozenset(' "<>`{}') | frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
+_QUERY_ENCODE = frozenset(" \"<>'") | frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
 # The WHATWG "forbidden domain code points", after percent-decoding.
 _FORBIDDEN = frozenset(" #%/:<>?@[\\]^|\x7f") | frozenset(chr(c) for c in range(0x20))
 
@@ -79,10 +83,42 @@ def parse_url(raw: str) -> Target:
     host = parse_host(host_text, raw)
     path, _, _fragment = tail.partition("#")
     before_query, question, query = path.partition("?")
-    path = before_query.replace("\\", "/") + question + query
+    path = (
+        _percent_encode(before_query.replace("\\", "/"), _PATH_ENCODE)
+        + question
+        + _percent_encode(query, _QUERY_ENCODE)
+    )
     if not path.startswith("/"):
         path = "/" + path
     return Target(scheme, host, port or _DEFAULT_PORTS[scheme], path, bool(userinfo))
+
+
+def _percent_encode(text: str, encode: frozenset[str]) -> str:
+    """`text` with the characters of `encode`, and every non-ASCII one, as UTF-8 percent-escapes."""
+    if text.isascii() and not any(ch in encode for ch in text):
+        return text
+    return "".join(
+        "".join(f"%{byte:02X}" for byte in ch.encode("utf-8", "surrogatepass"))
+        if ch in encode or not ch.isascii()
+        else ch
+        for ch in text
+    )
+
+
+def join_location(base: str, location: str) -> str:
+    """The URL a redirect's `Location` names, resolved against the URL that answered, as browsers do.
+
+    The result is checked by `parse_url` like any URL; only a Location that cannot be read at all
+    raises InvalidURL here, before any HTTP client tries to interpret it.
+    """
+    text = location.strip("".join(chr(c) for c in range(0x21)))
+    text = re.sub(r"[\t\n\r]", "", text)
+    head, sep, rest = text.partition("?")
+    text = head.replace("\\", "/") + sep + rest  # http(s) URLs read a backslash as a slash
+    try:
+        return urljoin(base, text)
+    except ValueError as exc:
+        raise InvalidURL(f"The redirect location {location[:200]!r} is not a URL that can be read ({exc})") from None
 
 
 def _split_port(hostport: str, raw: str) -> tuple[str, int | None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from metaagent.tools.code_interpreter import (
     DEFAULT_MEMORY_MB,
@@ -15,11 +15,12 @@ from metaagent.tools.code_interpreter import (
     Language,
     NetworkPolicy,
 )
+from metaagent.validation import ToolRequest
 
 SessionState = Literal["idle", "busy"]
 
 
-class SessionCreateRequest(BaseModel):
+class SessionCreateRequest(ToolRequest):
     """Open a session: one long-lived, isolated JavaScript (Node.js 18) context for several calls.
 
     What one call defines (variables, functions, classes, imports) later calls see; top-level await
@@ -28,8 +29,6 @@ class SessionCreateRequest(BaseModel):
     Run code in it with code_interpreter and its session_id; close it with session_close when done (it
     also ends after idle_timeout_s without a call).
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     language: Language = Field(default="javascript", description="javascript (Node.js 18); python is not served yet.")
     memory_mb: int = Field(default=DEFAULT_MEMORY_MB, ge=64, le=1024, description="Memory limit in MiB (no swap).")
@@ -60,10 +59,8 @@ class SessionList(BaseModel):
     sessions: list[SessionRecord]
 
 
-class SessionExecuteRequest(BaseModel):
+class SessionExecuteRequest(ToolRequest):
     """Run code in the session's context: its state persists from call to call."""
-
-    model_config = ConfigDict(extra="forbid")
 
     code: str = Field(min_length=1, max_length=MAX_CODE_BYTES, description="JavaScript source.")
     timeout_s: int = Field(default=8, ge=1, le=300, description="Wall-clock limit of this call in seconds.")
@@ -76,10 +73,8 @@ class SessionExecuteResponse(CodeInterpreterResponse):
     session_ended: bool = Field(description="The call ended the session (its process exited, or it was killed).")
 
 
-class SessionCloseRequest(BaseModel):
+class SessionCloseRequest(ToolRequest):
     """Close a session: its container and workspace are gone once this answers."""
-
-    model_config = ConfigDict(extra="forbid")
 
     session_id: str = Field(max_length=64)
 

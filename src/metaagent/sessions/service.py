@@ -58,6 +58,7 @@ from metaagent.sessions.models import (
     SessionExecuteResponse,
     SessionRecord,
 )
+from metaagent.tenancy import Caller, may_access, visible_to
 from metaagent.tools.code_interpreter import CodeInterpreter, code_fields, container_spec, refuse_unserved_language
 
 log = logging.getLogger("metaagent.sessions")
@@ -207,28 +208,31 @@ class Sessions:
 
     # --- lookups ---
 
-    def get(self, session_id: str, caller: str | None) -> Session:
+    def get(self, session_id: str, caller: Caller) -> Session:
+        """The caller's session (an operator's key: anyone's); 410 once it ended, 404 for anyone else's."""
         session = self._open.get(session_id)
-        if session is not None and session.owner == caller:
+        if session is not None and may_access(caller, session.owner):
             container = session.container
             if container is not None and container.ended.is_set():  # ending: retired in a moment
                 reason = container.end_reason or "exited"
                 raise Gone(f"Session {session_id} has ended: {reason}", reason=reason)
             return session
         ended = self._ended.get(session_id)
-        if ended is not None and ended.owner == caller:
+        if ended is not None and may_access(caller, ended.owner):
             raise Gone(f"Session {session_id} has ended: {ended.reason}", reason=ended.reason)
         raise NotFound(f"No session {session_id!r}; create one with POST /sessions")
 
-    def list(self, caller: str | None) -> list[SessionRecord]:
-        return [s.record() for s in self._open.values() if s.owner == caller and s.container is not None]
+    def list(self, caller: Caller) -> list[SessionRecord]:
+        ready = [s for s in self._open.values() if s.container is not None and not s.container.ended.is_set()]
+        return [s.record() for s in visible_to(caller, ready, lambda s: s.owner)]
 
     # --- create and close ---
 
-    async def create(self, request: SessionCreateRequest, caller: str | None) -> SessionRecord:
+    async def create(self, request: SessionCreateRequest, tenant: Caller) -> SessionRecord:
         if self.closing or self.interpreter.closing:
             raise Unavailable("The service is shutting down; retry on another instance")
         refuse_unserved_language(request.language)
+        caller = tenant.key_id
         self._admit(caller)
         interpreter = self.interpreter
         dependencies = interpreter.check_packages(request.packages)
@@ -362,7 +366,7 @@ class Sessions:
                 exit_code=session.container.exit_code if session.container else None,
             )
 
-    async def close(self, session_id: str, caller: str | None) -> SessionClosed:
+    async def close(self, session_id: str, caller: Caller) -> SessionClosed:
         session = self.get(session_id, caller)
         if session.container is not None:
             await session.container.kill("closed")
@@ -404,11 +408,12 @@ class Sessions:
         self,
         session_id: str,
         request: SessionExecuteRequest,
-        caller: str | None,
+        tenant: Caller,
         sink: OutputSink | None = None,
     ) -> SessionExecuteResponse:
         """One call, buffered (no sink) or streamed to `sink`: the same path either way."""
-        session = self.get(session_id, caller)
+        session = self.get(session_id, tenant)
+        caller = tenant.key_id
         queued_at = time.monotonic()
         async with self._use(session) as container:
             queued_ms = int((time.monotonic() - queued_at) * 1000)
@@ -445,10 +450,9 @@ class Sessions:
         )
         return response
 
-    async def put_file(
-        self, session_id: str, path: str, chunks: AsyncIterator[bytes], caller: str | None
-    ) -> FileWritten:
-        session = self.get(session_id, caller)
+    async def put_file(self, session_id: str, path: str, chunks: AsyncIterator[bytes], tenant: Caller) -> FileWritten:
+        session = self.get(session_id, tenant)
+        caller = tenant.key_id
         digest = hashlib.sha256()
 
         async def hashed() -> AsyncIterator[bytes]:
@@ -471,7 +475,7 @@ class Sessions:
         return written
 
     @asynccontextmanager
-    async def read_file(self, session_id: str, path: str, caller: str | None) -> AsyncIterator[Download]:
+    async def read_file(self, session_id: str, path: str, caller: Caller) -> AsyncIterator[Download]:
         """The file's size and bytes; the session is held (no other call runs) until the block ends."""
         session = self.get(session_id, caller)
         async with self._use(session) as container:
@@ -484,7 +488,7 @@ class Sessions:
             finally:
                 await download.close()
 
-    async def list_files(self, session_id: str, caller: str | None) -> FileList:
+    async def list_files(self, session_id: str, caller: Caller) -> FileList:
         session = self.get(session_id, caller)
         async with self._use(session) as container:
             try:
@@ -500,8 +504,9 @@ class Sessions:
         files.sort(key=lambda f: f.path.encode())
         return FileList(files=files)
 
-    async def delete_file(self, session_id: str, path: str, caller: str | None) -> FileDeleted:
-        session = self.get(session_id, caller)
+    async def delete_file(self, session_id: str, path: str, tenant: Caller) -> FileDeleted:
+        session = self.get(session_id, tenant)
+        caller = tenant.key_id
         async with self._use(session) as container:
             try:
                 await container.delete(path)

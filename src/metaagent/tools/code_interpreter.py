@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
@@ -26,6 +26,7 @@ from metaagent.sandbox.network import ExecutionNetwork, SandboxNetwork
 from metaagent.sandbox.output import OutputSink
 from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
+from metaagent.validation import ToolRequest
 
 log = logging.getLogger("metaagent.code_interpreter")
 
@@ -33,9 +34,7 @@ MAX_CODE_BYTES = 1024 * 1024
 DEFAULT_MEMORY_MB = 256
 
 
-class NetworkPolicy(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class NetworkPolicy(ToolRequest):
     allow: list[str] = Field(
         min_length=1,
         max_length=32,
@@ -48,7 +47,7 @@ SESSION_OWNED_FIELDS = ("memory_mb", "packages", "network", "language", "stdin")
 Language = Literal["javascript", "python"]
 
 
-class CodeInterpreterRequest(BaseModel):
+class CodeInterpreterRequest(ToolRequest):
     """Run JavaScript (a CommonJS script on Node.js 18) in a fresh, isolated container and return its output.
 
     The container has no network, a read-only file system except a 100 MB /tmp, no privileges, and
@@ -61,8 +60,6 @@ class CodeInterpreterRequest(BaseModel):
     expression comes back as `result`, and fs works inside /workspace (the cwd, where uploaded files are)
     and /tmp. Leave memory_mb, packages, network, language and stdin out then: the session has them.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     code: str = Field(min_length=1, max_length=MAX_CODE_BYTES, description="JavaScript source (CommonJS).")
     timeout_s: int = Field(default=8, ge=1, le=300, description="Wall-clock limit in seconds.")

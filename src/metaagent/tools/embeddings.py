@@ -10,27 +10,36 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from metaagent.egress.guard import EgressGuard
 from metaagent.settings import Settings
 from metaagent.tools import ToolSpec
-from metaagent.tools._upstream import JsonApi, require_key
+from metaagent.tools._upstream import AnswerBounds, JsonApi, require_key
+from metaagent.validation import ToolRequest, well_formed
 
 if TYPE_CHECKING:
     from metaagent.services import Services
 
 Text = Annotated[str, Field(min_length=1)]
+# Without `dimensions`, no vector may be longer than this (OpenAI's longest has 3072 numbers); with it,
+# none longer than asked. A batch's answer is bounded by what its vectors can need: a number written as
+# JSON takes at most about 24 bytes, in base64 under 6, plus a little per embedding and per answer.
+MAX_VECTOR_LENGTH = 16_384
+_BYTES_PER_NUMBER = 24
+_BYTES_PER_EMBEDDING = 1024
+_VALUES_PER_EMBEDDING = 32
+_ANSWER_SLACK_BYTES = 64 * 1024
+_ANSWER_SLACK_VALUES = 1024
 
 
-class EmbeddingsRequest(BaseModel):
+class EmbeddingsRequest(ToolRequest):
     """Turn text into embedding vectors with OpenAI's embeddings API: one vector per input, in input order."""
-
-    model_config = ConfigDict(extra="forbid")
 
     input: Text | Annotated[list[Text], Field(min_length=1)] = Field(
         description="A text, or a list of texts, to embed (none empty)."
@@ -55,6 +64,9 @@ class EmbeddingsResponse(BaseModel):
     model: str
     data: list[Embedding]
     usage: EmbeddingsUsage
+    redacted: int = Field(
+        default=0, description="How many copies of the service's keys were removed from the upstream's answer."
+    )
 
 
 def batches(texts: Sequence[str], max_items: int, max_bytes: int) -> list[slice]:
@@ -80,6 +92,7 @@ class EmbeddingsTool:
         self._key = settings.openai_api_key
         self._batch_size = settings.embeddings_batch_size
         self._batch_bytes = settings.embeddings_batch_max_bytes
+        self._max_bytes = settings.embeddings_max_response_bytes
         self._api = JsonApi.from_settings(
             guard, settings, tool="embeddings", upstream="OpenAI", base_url=settings.openai_base_url
         )
@@ -97,19 +110,32 @@ class EmbeddingsTool:
             payload: dict[str, Any] = {"input": texts[part], "model": request.model, "encoding_format": "base64"}
             if request.dimensions is not None:
                 payload["dimensions"] = request.dimensions
-            data = await self._api.post("embeddings", payload, {"Authorization": f"Bearer {key}"}, secret=key)
-            batch_vectors, batch_model, batch_usage = self._parse(data, len(texts[part]))
+            bounds = self._bounds(len(texts[part]), request.dimensions)
+            data = await self._api.post("embeddings", payload, {"Authorization": f"Bearer {key}"}, bounds=bounds)
+            batch_vectors, batch_model, batch_usage = self._parse(data, len(texts[part]), request.dimensions)
             vectors.extend(batch_vectors)
             model = model or batch_model
             usage.prompt_tokens += batch_usage.prompt_tokens
             usage.total_tokens += batch_usage.total_tokens
+        # The model's name is the one string of the answer the caller gets; the vectors are numbers.
+        shown, redacted = self._api.redactor.scrub(well_formed(model or request.model))
         return EmbeddingsResponse(
-            model=model or request.model,
+            model=shown,
             data=[Embedding(index=i, embedding=v) for i, v in enumerate(vectors)],
             usage=usage,
+            redacted=redacted,
         )
 
-    def _parse(self, data: Any, expected: int) -> tuple[list[list[float]], str | None, EmbeddingsUsage]:
+    def _bounds(self, inputs: int, dimensions: int | None) -> AnswerBounds:
+        """What the answer to a batch of `inputs` texts can need, within METAAGENT_EMBEDDINGS_MAX_RESPONSE_BYTES."""
+        numbers = inputs * (dimensions or MAX_VECTOR_LENGTH)
+        size = numbers * _BYTES_PER_NUMBER + inputs * _BYTES_PER_EMBEDDING + _ANSWER_SLACK_BYTES
+        values = numbers + inputs * _VALUES_PER_EMBEDDING + _ANSWER_SLACK_VALUES
+        return AnswerBounds(max_bytes=min(size, self._max_bytes), max_values=values)
+
+    def _parse(
+        self, data: Any, expected: int, dimensions: int | None
+    ) -> tuple[list[list[float]], str | None, EmbeddingsUsage]:
         if not isinstance(data, dict) or not isinstance(data.get("data"), list):
             raise self._api.malformed("expected an object with a 'data' list")
         slots: list[list[float] | None] = [None] * expected
@@ -119,7 +145,7 @@ class EmbeddingsTool:
                 raise self._api.malformed(f"an embedding has no valid index (sent {expected} inputs)")
             if slots[index] is not None:
                 raise self._api.malformed(f"index {index} appears twice")
-            slots[index] = self._vector(item.get("embedding"))
+            slots[index] = self._vector(item.get("embedding"), dimensions or MAX_VECTOR_LENGTH)
         vectors = [v for v in slots if v is not None]
         if len(vectors) != expected:
             raise self._api.malformed(f"{expected} inputs sent but {len(vectors)} embeddings returned")
@@ -132,22 +158,30 @@ class EmbeddingsTool:
             )
         return vectors, model, usage
 
-    def _vector(self, value: Any) -> list[float]:
+    def _vector(self, value: Any, longest: int) -> list[float]:
         if isinstance(value, str):
+            if len(value) > 4 * ((4 * longest + 2) // 3):  # base64 of `longest` float32 values
+                raise self._api.malformed(f"an embedding has more than {longest} numbers")
             try:
                 raw = base64.b64decode(value, validate=True)
             except binascii.Error:
                 raise self._api.malformed("an embedding is not valid base64") from None
             if not raw or len(raw) % 4:
                 raise self._api.malformed("an embedding is not a whole number of float32 values")
-            return list(struct.unpack(f"<{len(raw) // 4}f", raw))
-        if (
+            vector = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+        elif (
             isinstance(value, list)
             and value
             and all(isinstance(x, int | float) and not isinstance(x, bool) for x in value)
         ):
-            return [float(x) for x in value]
-        raise self._api.malformed("an embedding is neither a list of numbers nor base64")
+            vector = [float(x) for x in value]  # ints were parsed within 20 digits: this cannot overflow
+        else:
+            raise self._api.malformed("an embedding is neither a list of numbers nor base64")
+        if len(vector) > longest:
+            raise self._api.malformed(f"an embedding has {len(vector)} numbers, more than {longest}")
+        if not all(math.isfinite(x) for x in vector):
+            raise self._api.malformed("an embedding holds a number that is not finite (NaN or infinity)")
+        return vector
 
 
 def _count(value: Any) -> int:

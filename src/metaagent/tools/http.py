@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import base64
+import re
 from typing import Literal
 
 import anyio
 import httpx2
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from metaagent.egress.guard import EgressGuard
+from metaagent.egress.url import InvalidURL, join_location
 from metaagent.errors import RequestRefused, UpstreamError, UpstreamTimeout
+from metaagent.validation import ToolRequest
 
 Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
@@ -19,12 +22,40 @@ Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 _RESERVED_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "upgrade"})
 # Credentials that must not follow a redirect to another origin.
 _CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
+# RFC 9110: a field name is a token; a value is visible Latin-1 text with inner spaces and tabs.
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_FIELD_VALUE = re.compile(r"^[\t\x20-\x7e\xa0-\xff]*$")
+# Every error of the client library: transport, protocol, decoding, URL and stream errors. Whatever the
+# upstream sends that the library cannot take is a 502 that names it, never a 500.
+CLIENT_ERRORS = (httpx2.HTTPError, httpx2.InvalidURL, httpx2.StreamError, httpx2.CookieConflict)
 
 
-class HttpRequest(BaseModel):
+def request_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    """The caller's headers as bytes for the wire; RequestRefused (400) for one HTTP cannot carry or
+    that the tool sets itself. Values lose the spaces around them, as HTTP reads them."""
+    raw: list[tuple[bytes, bytes]] = []
+    for name, value in headers.items():
+        if not _TOKEN.match(name):
+            raise RequestRefused(
+                f"The header name {name[:100]!r} is not valid in HTTP: a name is ASCII letters, digits and "
+                "!#$%&'*+-.^_`|~ only (RFC 9110)",
+                header=name[:100],
+            )
+        if name.lower() in _RESERVED_HEADERS:
+            raise RequestRefused(f"The {name} header is set by the HTTP tool; remove it from headers", header=name)
+        value = value.strip(" \t")
+        if not _FIELD_VALUE.match(value):
+            raise RequestRefused(
+                f"The value of the {name} header cannot be sent in HTTP: a value is Latin-1 text without "
+                "control characters (no line breaks); percent-encode or base64-encode other text",
+                header=name,
+            )
+        raw.append((name.encode("ascii"), value.encode("latin-1")))
+    return raw
+
+
+class HttpRequest(ToolRequest):
     """Make one HTTP request to an allow-listed host and return the status, headers and body."""
-
-    model_config = ConfigDict(extra="forbid")
 
     url: str = Field(min_length=1, max_length=8192, description="Absolute http or https URL.")
     method: Method = Field(default="GET", description="HTTP method.")
@@ -53,27 +84,33 @@ class HttpTool:
         await self._client.aclose()
 
     async def __call__(self, request: HttpRequest) -> HttpResponse:
-        for name in request.headers:
-            if name.lower() in _RESERVED_HEADERS:
-                raise RequestRefused(f"The {name} header is set by the HTTP tool; remove it from headers")
+        headers = request_headers(request.headers)
         try:
             with anyio.fail_after(request.timeout_s):
-                return await self._exchange(request)
+                return await self._exchange(request, headers)
+        except httpx2.PoolTimeout as exc:
+            raise UpstreamTimeout(f"The upstream is too busy: {exc}") from None
         except (TimeoutError, httpx2.TimeoutException):
             raise UpstreamTimeout(f"The upstream did not answer within {request.timeout_s:g} s") from None
-        except httpx2.TransportError as exc:
-            raise UpstreamError(f"Could not reach the upstream: {exc or type(exc).__name__}") from None
+        except httpx2.NetworkError as exc:  # connect, read or write failed: DNS, refused, TLS, reset
+            raise UpstreamError(f"Could not reach the upstream: {describe_client_error(exc)}") from None
+        except CLIENT_ERRORS as exc:
+            raise UpstreamError(f"The upstream's answer could not be read: {describe_client_error(exc)}") from None
 
-    async def _exchange(self, request: HttpRequest) -> HttpResponse:
+    async def _exchange(self, request: HttpRequest, headers: list[tuple[bytes, bytes]]) -> HttpResponse:
         method: str = request.method
         url = request.url
-        headers = dict(request.headers)
         content = request.body.encode() if request.body is not None else None
         origin = None
-        for _hop in range(self._max_redirects + 1):
-            target = self._guard.check_url(url, method, tool="http")
+        for hop in range(self._max_redirects + 1):
+            try:
+                target = self._guard.check_url(url, method, tool="http")
+            except InvalidURL as exc:
+                if not hop:
+                    raise  # the caller's own URL: a 400 that says what is wrong with it
+                raise UpstreamError(f"The upstream redirected to a URL that cannot be read: {exc.message}") from None
             if origin is not None and (target.scheme, target.host, target.port) != origin:
-                headers = {k: v for k, v in headers.items() if k.lower() not in _CREDENTIAL_HEADERS}
+                headers = [(k, v) for k, v in headers if k.lower().decode() not in _CREDENTIAL_HEADERS]
             origin = (target.scheme, target.host, target.port)
             outgoing = self._client.build_request(
                 method, target.url, headers=headers, content=content, timeout=request.timeout_s
@@ -82,10 +119,15 @@ class HttpTool:
             try:
                 location = response.headers.get("location")
                 if response.is_redirect and location:
-                    url = str(httpx2.URL(target.url).join(location))
+                    try:
+                        url = join_location(target.url, location)
+                    except InvalidURL as exc:
+                        raise UpstreamError(
+                            f"The upstream redirected to a URL that cannot be read: {exc.message}"
+                        ) from None
                     if response.status_code == 303 or (response.status_code in (301, 302) and method == "POST"):
                         method, content = ("HEAD" if method == "HEAD" else "GET"), None
-                        headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+                        headers = [(k, v) for k, v in headers if k.lower() != b"content-type"]
                     continue
                 body, truncated = await read_capped(response, self._max_bytes)
             finally:
@@ -129,3 +171,9 @@ def _decode(body: bytes, truncated: bool) -> tuple[str, Literal["utf-8", "base64
         if truncated and exc.start >= len(body) - 3:
             return body[: exc.start].decode("utf-8"), "utf-8"
         return base64.b64encode(body).decode("ascii"), "base64"
+
+
+def describe_client_error(exc: Exception) -> str:
+    """The client library's error, named: its kind and its message."""
+    detail = str(exc).strip()
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from metaagent.egress.guard import EgressGuard
+from metaagent.redaction import TooDeep
 from metaagent.settings import Settings
 from metaagent.tools import ToolSpec
-from metaagent.tools._upstream import JsonApi, require_key
+from metaagent.tools._upstream import AnswerBounds, JsonApi, require_key
+from metaagent.validation import ToolRequest
 
 if TYPE_CHECKING:
     from metaagent.services import Services
@@ -21,12 +23,13 @@ SearchType = Literal["search", "news", "images"]
 
 # The list that holds the results in Serper's answer, per type.
 _RESULT_LISTS: dict[str, str] = {"search": "organic", "news": "news", "images": "images"}
+# A real answer of 100 results holds a few thousand JSON values and nests about 5 deep.
+MAX_ANSWER_VALUES = 100_000
+MAX_ANSWER_DEPTH = 32
 
 
-class SearchRequest(BaseModel):
+class SearchRequest(ToolRequest):
     """Search the web (Google, through Serper): pages, news or images, plus the answer box and knowledge graph."""
-
-    model_config = ConfigDict(extra="forbid")
 
     q: str = Field(min_length=1, max_length=2048, description="The search query.")
     num: int = Field(default=10, ge=1, le=100, description="How many results to return.")
@@ -59,6 +62,9 @@ class SearchResponse(BaseModel):
     knowledgeGraph: dict[str, Any] | None = None
     peopleAlsoAsk: list[dict[str, Any]] = Field(default_factory=list)
     relatedSearches: list[str] = Field(default_factory=list)
+    redacted: int = Field(
+        default=0, description="How many copies of the service's keys were removed from Serper's answer."
+    )
 
 
 class _SerperItem(BaseModel):
@@ -77,6 +83,7 @@ class _SerperItem(BaseModel):
 class SearchTool:
     def __init__(self, guard: EgressGuard, settings: Settings) -> None:
         self._key = settings.serper_api_key
+        self._bounds = AnswerBounds(settings.search_max_response_bytes, MAX_ANSWER_VALUES, MAX_ANSWER_DEPTH)
         self._api = JsonApi.from_settings(
             guard, settings, tool="search", upstream="Serper", base_url=settings.serper_base_url
         )
@@ -91,8 +98,16 @@ class SearchTool:
             payload["gl"] = request.gl.lower()
         if request.hl:
             payload["hl"] = request.hl.lower()
-        data = await self._api.post(request.type, payload, {"X-API-KEY": key}, secret=key)
-        return self._response(request, data)
+        data = await self._api.post(request.type, payload, {"X-API-KEY": key}, bounds=self._bounds)
+        response = self._response(request, data)
+        # Every string the caller gets, object keys included, without the service's keys.
+        try:
+            clean, redacted = self._api.redactor.scrub_tree(response.model_dump(), MAX_ANSWER_DEPTH)
+        except TooDeep as exc:
+            raise self._api.malformed(str(exc)) from None
+        if redacted:
+            log.warning("Serper's answer held the service's keys %d time(s); they were redacted", redacted)
+        return SearchResponse.model_validate({**clean, "redacted": redacted})
 
     def _response(self, request: SearchRequest, data: Any) -> SearchResponse:
         if not isinstance(data, dict):

@@ -1,0 +1,68 @@
+"""What every tool's request model shares: unknown fields refused, and text that is well-formed Unicode.
+
+JSON can carry a lone UTF-16 surrogate (`"\\udfff"`), and Python's parser hands it over as is; such a
+string cannot be encoded as UTF-8, so it would fail far from the boundary (a 500, or an audit record
+that cannot be written). Every string of every field, however deeply nested (lists, objects and their
+keys, nested models), is checked once, here, and one that holds a lone surrogate is a 422 that names the
+field. A model inherits the check by deriving from `ToolRequest`, so a new field or tool cannot miss it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic_core import PydanticCustomError
+
+
+def lone_surrogate_at(value: Any) -> str | None:
+    """Where in `value` a string holds a lone surrogate ("" for `value` itself, "[2]", "['key']"), or None."""
+    pending: list[tuple[str, Any]] = [("", value)]
+    while pending:
+        where, item = pending.pop()
+        if isinstance(item, str):
+            if not _well_formed(item):
+                return where
+        elif isinstance(item, list | tuple):
+            pending.extend((f"{where}[{i}]", element) for i, element in enumerate(item))
+        elif isinstance(item, dict):
+            for key, element in item.items():
+                if isinstance(key, str) and not _well_formed(key):
+                    return f"{where} (a key)"
+                pending.append((f"{where}[{key!r}]", element))
+    return None
+
+
+def _well_formed(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class ToolRequest(BaseModel):
+    """The base of every tool's request model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _well_formed_text(cls, value: Any) -> Any:
+        where = lone_surrogate_at(value)
+        if where is not None:
+            inside = f" (at {where})" if where else ""
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "text with a lone UTF-16 surrogate{inside} is not valid Unicode; send well-formed text "
+                "(in JSON, \\ud800-\\udfff escapes only in high-low pairs)",
+                {"inside": inside},
+            )
+        return value
+
+
+def well_formed(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD, for text from elsewhere (an upstream's answer)."""
+    if _well_formed(text):
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
