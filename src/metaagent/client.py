@@ -25,6 +25,7 @@ ServiceError. Leaving the loop early hangs up, which kills the execution.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
@@ -129,6 +130,15 @@ def _is_event_stream(response: httpx2.Response) -> bool:
 _UNFINISHED = "The event stream ended before its result: the connection was cut, or the service stopped"
 
 
+def _session(session_id: str) -> str:
+    return f"/sessions/{quote(session_id, safe='')}"
+
+
+def _file(session_id: str, path: str) -> str:
+    """A workspace file's route: its path percent-encoded, `/` kept as the separator."""
+    return f"{_session(session_id)}/files/{quote(path, safe='/')}"
+
+
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -220,6 +230,38 @@ class _Endpoints(Generic[Result]):
         """`DELETE /executions/{id}`: kill it now; `{"execution_id": ..., "killed": true}`."""
         return self._send(_Call("DELETE", f"/executions/{quote(execution_id, safe='')}"))
 
+    def create_session(
+        self,
+        *,
+        memory_mb: int | None = None,
+        packages: list[str] | None = None,
+        network: dict[str, Any] | None = None,
+        idle_timeout_s: int | None = None,
+    ) -> Result:
+        """`POST /sessions`: open a session; its record (`session_id`, `expires_at`...)."""
+        fields = _fields(memory_mb=memory_mb, packages=packages, network=network, idle_timeout_s=idle_timeout_s)
+        return self._send(_Call("POST", "/sessions", fields))
+
+    def sessions(self) -> Result:
+        """`GET /sessions`: `{"sessions": [...]}`, the caller's open sessions."""
+        return self._send(_Call("GET", "/sessions"))
+
+    def session_execute(self, session_id: str, code: str, *, timeout_s: int | None = None) -> Result:
+        """`POST /sessions/{id}/execute`: run code in the session; its state persists."""
+        return self._send(_Call("POST", f"{_session(session_id)}/execute", _fields(code=code, timeout_s=timeout_s)))
+
+    def close_session(self, session_id: str) -> Result:
+        """`DELETE /sessions/{id}`: `{"session_id": ..., "closed": true}`; the container is gone."""
+        return self._send(_Call("DELETE", _session(session_id)))
+
+    def session_files(self, session_id: str) -> Result:
+        """`GET /sessions/{id}/files`: `{"files": [{"path", "size", "modified_at"}]}`."""
+        return self._send(_Call("GET", f"{_session(session_id)}/files"))
+
+    def delete_session_file(self, session_id: str, path: str) -> Result:
+        """`DELETE /sessions/{id}/files/{path}`."""
+        return self._send(_Call("DELETE", _file(session_id, path)))
+
 
 class Client(_Endpoints[dict[str, Any]]):
     """The blocking client. Use it as a context manager, or call `close()`."""
@@ -261,6 +303,28 @@ class Client(_Endpoints[dict[str, Any]]):
                     if isinstance(event, Finished):
                         return
         raise ServiceError(502, _UNFINISHED)
+
+    def upload(self, session_id: str, path: str, data: bytes) -> dict[str, Any]:
+        """`PUT /sessions/{id}/files/{path}`: `{"path", "size", "sha256"}`."""
+        return _result(self._http.put(_file(session_id, path), content=data))
+
+    def download(self, session_id: str, path: str) -> bytes:
+        """`GET /sessions/{id}/files/{path}`: the file's bytes (ServiceError 404 when there is none)."""
+        response = self._http.get(_file(session_id, path))
+        if not response.is_success:
+            _result(response)
+        return response.content
+
+    @contextmanager
+    def session(self, **config: Any) -> Iterator[Session]:
+        """A session for the block (`memory_mb`, `packages`, `network`, `idle_timeout_s`), closed after it."""
+        record = self.create_session(**config)
+        session = Session(self, record["session_id"])
+        try:
+            yield session
+        finally:
+            with suppress(ServiceError):  # ended already (410): nothing left to close
+                self.close_session(session.id)
 
     def close(self) -> None:
         self._http.close()
@@ -319,6 +383,28 @@ class AsyncClient(_Endpoints[Awaitable[dict[str, Any]]]):
                         return
         raise ServiceError(502, _UNFINISHED)
 
+    async def upload(self, session_id: str, path: str, data: bytes) -> dict[str, Any]:
+        """`PUT /sessions/{id}/files/{path}`: `{"path", "size", "sha256"}`."""
+        return _result(await self._http.put(_file(session_id, path), content=data))
+
+    async def download(self, session_id: str, path: str) -> bytes:
+        """`GET /sessions/{id}/files/{path}`: the file's bytes (ServiceError 404 when there is none)."""
+        response = await self._http.get(_file(session_id, path))
+        if not response.is_success:
+            _result(response)
+        return response.content
+
+    @asynccontextmanager
+    async def session(self, **config: Any) -> AsyncIterator[AsyncSession]:
+        """A session for the block, closed after it (as `Client.session`)."""
+        record = await self.create_session(**config)
+        session = AsyncSession(self, record["session_id"])
+        try:
+            yield session
+        finally:
+            with suppress(ServiceError):
+                await self.close_session(session.id)
+
     async def aclose(self) -> None:
         await self._http.aclose()
 
@@ -327,3 +413,52 @@ class AsyncClient(_Endpoints[Awaitable[dict[str, Any]]]):
 
     async def __aexit__(self, *_exc: object) -> None:
         await self.aclose()
+
+
+class Session:
+    """One session of a `Client` (see `Client.session`): calls share its state and its /workspace."""
+
+    def __init__(self, client: Client, session_id: str) -> None:
+        self.client = client
+        self.id = session_id
+
+    def execute(self, code: str, *, timeout_s: int | None = None) -> dict[str, Any]:
+        """Runs code in the session; the answer has `result` (the last expression, as the REPL shows it)."""
+        return self.client.session_execute(self.id, code, timeout_s=timeout_s)
+
+    def upload(self, path: str, data: bytes) -> dict[str, Any]:
+        return self.client.upload(self.id, path, data)
+
+    def download(self, path: str) -> bytes:
+        return self.client.download(self.id, path)
+
+    def files(self) -> list[dict[str, Any]]:
+        files: list[dict[str, Any]] = self.client.session_files(self.id)["files"]
+        return files
+
+    def delete(self, path: str) -> dict[str, Any]:
+        return self.client.delete_session_file(self.id, path)
+
+
+class AsyncSession:
+    """One session of an `AsyncClient` (see `AsyncClient.session`)."""
+
+    def __init__(self, client: AsyncClient, session_id: str) -> None:
+        self.client = client
+        self.id = session_id
+
+    async def execute(self, code: str, *, timeout_s: int | None = None) -> dict[str, Any]:
+        return await self.client.session_execute(self.id, code, timeout_s=timeout_s)
+
+    async def upload(self, path: str, data: bytes) -> dict[str, Any]:
+        return await self.client.upload(self.id, path, data)
+
+    async def download(self, path: str) -> bytes:
+        return await self.client.download(self.id, path)
+
+    async def files(self) -> list[dict[str, Any]]:
+        files: list[dict[str, Any]] = (await self.client.session_files(self.id))["files"]
+        return files
+
+    async def delete(self, path: str) -> dict[str, Any]:
+        return await self.client.delete_session_file(self.id, path)

@@ -50,3 +50,34 @@ def test_client_lists_gets_and_kills_a_running_execution(sandbox_service: Servic
     assert gone.value.status_code == 404
     assert finished["execution_id"] == execution_id
     assert finished["timed_out"] is False
+
+
+def test_client_session_shares_state_and_files_and_closes_on_exit(sandbox_service: Service) -> None:
+    with metaagent.Client(sandbox_service.base_url) as client, client.session(idle_timeout_s=60) as session:
+        session.execute("const total = (rows) => rows.reduce((a, b) => a + b, 0)")
+        assert session.upload("in/numbers.txt", b"1\n2\n3\n")["size"] == 6
+        result = session.execute(
+            "const fs = require('fs');"
+            " const n = fs.readFileSync('in/numbers.txt', 'utf8').trim().split('\\n').map(Number);"
+            " fs.writeFileSync('sum.txt', String(total(n))); total(n)"
+        )
+        assert result["result"] == "6"
+        assert session.download("sum.txt") == b"6"
+        assert [f["path"] for f in session.files()] == ["in/numbers.txt", "sum.txt"]
+        session.delete("sum.txt")
+        with pytest.raises(ServiceError) as missing:
+            session.download("sum.txt")
+        assert missing.value.status_code == 404
+        session_id = session.id
+    with metaagent.Client(sandbox_service.base_url) as client, pytest.raises(ServiceError) as gone:
+        client.session_execute(session_id, "total")
+    assert gone.value.status_code == 410
+
+
+async def test_async_client_session_runs_calls_and_moves_files(sandbox_service: Service) -> None:
+    async with metaagent.AsyncClient(sandbox_service.base_url) as client, client.session() as session:
+        await session.execute("let n = 20")
+        assert (await session.execute("n + 1"))["result"] == "21"
+        await session.upload("a b/ü.txt", "grüße".encode())
+        assert (await session.download("a b/ü.txt")).decode() == "grüße"
+        assert [f["path"] for f in await session.files()] == ["a b/ü.txt"]

@@ -16,6 +16,7 @@ import httpx2
 import pytest
 
 from tests.sandbox.conftest import Service, audit_records, labelled_containers, running_service
+from tests.sandbox.test_gate import HOSTILE, PASSWD_LINE, SANDBOX_PASSWD_LINE, Hostile
 
 pytestmark = [pytest.mark.docker]
 
@@ -137,9 +138,9 @@ def test_output_belongs_to_its_call_and_later_output_to_the_next(sessions: Sessi
     sid = sessions.create()
     printed = sessions.run(sid, "console.log('one'); console.error('two'); 3")
     assert (printed["stdout"], printed["stderr"], printed["result"]) == ("one\n", "two\n", "3")
-    sessions.run(sid, "setTimeout(() => console.log('from a timer'), 50); null")
-    time.sleep(0.3)
-    later = sessions.run(sid, "1")
+    sessions.run(sid, "setTimeout(() => { console.log('from a timer'); globalThis.printed = true; }, 50); null")
+    # Whether the timer prints before this call starts or while it waits, it is this call's output.
+    later = sessions.run(sid, "while (!globalThis.printed) await new Promise((r) => setTimeout(r, 10)); 1")
     assert later["stdout"] == "from a timer\n"
 
 
@@ -606,3 +607,32 @@ def test_a_streamed_call_into_an_ended_or_unknown_session_is_plain_json(sessions
         response = sessions.request("POST", f"/sessions/{target}/execute", json={"code": "1"}, headers=headers)
         assert response.status_code == status
         assert response.headers["content-type"] == "application/json"
+
+
+# --- the hostile programs of the code interpreter, in a session ----------------------------------------
+
+# One-shot facts these check (the user's file as the one cached main module), which a session has not.
+ONE_SHOT_ONLY = {"module-cache-and-parent-chain"}
+IN_SESSION = [case for case in HOSTILE if case.id not in ONE_SHOT_ONLY]
+
+
+def _uses_fs(code: str) -> bool:
+    # A session has fs (confined to its folders): for it, loading fs is no escape, reading /etc/passwd is.
+    return any(name in code for name in ("'fs'", '"fs"', "fs/promises", ":fs", "readFileSync"))
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("case", IN_SESSION, ids=[case.id for case in IN_SESSION])
+def test_each_hostile_program_stays_contained_in_a_session(sessions: Sessions, case: Hostile) -> None:
+    sid = sessions.create()
+    first = sessions.run(sid, case.code)
+    time.sleep(0.6)  # what the program's promises and timers print after the call comes with the next one
+    later = sessions.run(sid, "null")
+    out = f"{first['stdout']}{later['stdout']}\n{first['stderr']}{later['stderr']}"
+    assert not first["timed_out"], out
+    for sign in (PASSWD_LINE, SANDBOX_PASSWD_LINE, "Debugger listening"):
+        assert sign not in out, out
+    if _uses_fs(case.code):
+        return
+    assert "ESCAPED" not in out, out
+    assert case.expect.replace("Error: ", "", 1) in out, out

@@ -136,6 +136,7 @@ class SessionContainer:
         self._decoder = wire.FrameDecoder()
         self._output = CallOutput()  # between calls: kept for the next call
         self._pending: dict[int, _Pending] = {}
+        self._call_id: int | None = None  # the call whose output comes now
         self._download: _DownloadStream | None = None
         self._next_id = 1
         self._exited = anyio.Event()
@@ -216,6 +217,9 @@ class SessionContainer:
             elif frame.kind == wire.STDERR:
                 self._output.add("stderr", frame.payload)
             elif frame.kind == wire.REPLY:
+                if frame.id == self._call_id:  # what comes after the call's answer belongs to the next call
+                    self._call_id = None
+                    self._output = CallOutput()
                 pending = self._pending.pop(frame.id or 0, None)
                 if pending is not None:
                     pending.settle(frame.message or {})
@@ -276,6 +280,7 @@ class SessionContainer:
         request_id = self._new_id()
         pending = self._expect(request_id)
         output = self._output
+        self._call_id = request_id
         if sink is not None:
             sink.started()
             output.listen(sink.output)
@@ -296,7 +301,9 @@ class SessionContainer:
             execution.state = "stopping"
             await self._interrupt(pending, "killed" if killed else "timeout")
         duration_ms = int((time.monotonic() - started) * 1000)
-        self._output = CallOutput()
+        if self._call_id == request_id:  # no answer came (interrupted without one, or the session ended)
+            self._call_id = None
+            self._output = CallOutput()
         output.listen(None)
         output.finish()
         message = pending.message

@@ -110,8 +110,7 @@ function runSession({ stdio, gate, initial, unixSockets }) {
   const printUncaught = (error) => {
     let text;
     try {
-      text = typeof error === 'object' && error !== null && typeof error.stack === 'string'
-        ? cleanStack(error.stack) : inspect(error);
+      text = cleanStack(inspect(error)); // as the REPL shows it: the stack, then the error's own fields
     } catch {
       text = '[an error that cannot be shown]';
     }
@@ -438,7 +437,7 @@ function runSession({ stdio, gate, initial, unixSockets }) {
 
 // Stack lines inside the runner and node's vm plumbing say nothing to the program's author.
 function cleanStack(stack) {
-  return stack.split('\n').filter((line) => !/\((node:|\/opt\/metaagent\/)|at (node:|\/opt\/metaagent\/)/.test(line)).join('\n');
+  return stack.split('\n').filter((line) => !/^\s+at .*(\(node:|\(\/opt\/metaagent\/|at node:|at \/opt\/metaagent\/)/.test(line)).join('\n');
 }
 
 module.exports = Object.freeze({ __proto__: null, runSession });
