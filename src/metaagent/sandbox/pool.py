@@ -14,7 +14,7 @@ import logging
 import select
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -59,7 +59,7 @@ class WarmPool:
         *,
         size: int,
         memory_mb: int,
-        make_spec: Callable[[str, str], ContainerSpec],
+        make_spec: Callable[[str, str], Awaitable[ContainerSpec]],
     ) -> None:
         self.engine = engine
         self.image = image
@@ -148,7 +148,7 @@ class WarmPool:
         try:
             tag = await self.image.require()
             execution_id = new_execution_id()
-            spec = self._make_spec(execution_id, tag)
+            spec = await self._make_spec(execution_id, tag)
             prepared = await prepare(self.engine, spec, start=True)
             try:
                 ready = await wait_ready(prepared)
@@ -159,6 +159,7 @@ class WarmPool:
                 raise
             if not ready:
                 await self._remove(Warm(execution_id, spec, prepared))
+                await self.engine.remove_runtime_leftovers([prepared.container_id])  # a failed start's
                 raise Unavailable(f"the runner did not start: {prepared.output.stderr.text()[:300]!r}")
         except Exception as exc:  # a background worker: whatever failed, back off and try again
             self._failures += 1

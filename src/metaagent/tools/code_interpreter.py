@@ -24,6 +24,7 @@ from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, 
 from metaagent.sandbox.network import ExecutionNetwork, SandboxNetwork
 from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
+from metaagent.sandbox.runtime import RUNC, ProbeSpec, Runtime, RuntimeChoice
 
 log = logging.getLogger("metaagent.code_interpreter")
 
@@ -116,6 +117,7 @@ def container_spec(
     cpus: float,
     mounts: tuple[Mount, ...] = (),
     command: list[str] | None = None,
+    runtime: Runtime = RUNC,
 ) -> ContainerSpec:
     """The container of one execution. `command` replaces the runner only in the tests of the container layer."""
     # Node's heap limit below the container's, so that a hog usually ends with a JavaScript heap
@@ -124,8 +126,12 @@ def container_spec(
     node = ["/usr/bin/node", f"--max-old-space-size={heap_mb}", RUNNER]
     return ContainerSpec(
         # The trusted runner loads (node and the gate) with the machine's CPUs, not the execution's
-        # share; the share applies before the code is handed over. A command of the tests' runs at once.
-        start_cpus=None if command else float(os.cpu_count() or 1),
+        # share; the share applies before the code is handed over. A command of the tests' runs at once,
+        # and so does everything under a runtime that cannot change a running container's quota.
+        start_cpus=float(os.cpu_count() or 1) if runtime.updates_cpus and not command else None,
+        runtime=runtime.name,
+        pids_limit=runtime.pids_limit(),
+        nproc=runtime.nproc(),
         name=f"metaagent-{execution_id}",
         image=image,
         command=["/usr/bin/dumb-init", "--", *(command or node)],
@@ -133,6 +139,13 @@ def container_spec(
         cpus=cpus,
         labels={SERVICE_LABEL: "metaagent", EXECUTION_LABEL: execution_id, OWNER_PID_LABEL: str(os.getpid())},
         mounts=mounts,
+    )
+
+
+def probe_spec(cpus: float) -> ProbeSpec:
+    """The runtime self-test's container: an execution's, with the default memory and `cpus`."""
+    return lambda image_ref, runtime: container_spec(
+        new_execution_id(), image_ref, DEFAULT_MEMORY_MB, cpus, runtime=runtime
     )
 
 
@@ -148,12 +161,14 @@ class CodeInterpreter:
         queue_size: int,
         cpus: float,
         grace_s: float,
+        runtime: RuntimeChoice,
         pool_size: int = 0,
         packages: PackageStore | None = None,
         network: SandboxNetwork | None = None,
     ) -> None:
         self.engine = engine
         self.image = image
+        self.runtime = runtime
         self.registry = registry
         self.audit = audit
         self.admission = Admission(capacity, queue_size)
@@ -164,7 +179,7 @@ class CodeInterpreter:
             image,
             size=pool_size,
             memory_mb=DEFAULT_MEMORY_MB,
-            make_spec=lambda execution_id, tag: container_spec(execution_id, tag, DEFAULT_MEMORY_MB, cpus),
+            make_spec=self._pool_spec,
         )
         self.packages = packages
         self.network = network
@@ -182,6 +197,7 @@ class CodeInterpreter:
         dependencies = self._check_packages(request.packages)
         allowlist = self._network_allowlist(request)
         image_ref = await self.image.require()
+        runtime = await self.runtime_in_force(image_ref)
         outcome: Outcome | None = None
         error: str | None = None
         network: ExecutionNetwork | None = None
@@ -200,7 +216,7 @@ class CodeInterpreter:
             spec = (
                 warm.spec
                 if warm
-                else container_spec(execution_id, image_ref, request.memory_mb, self.cpus, mounts=mounts)
+                else container_spec(execution_id, image_ref, request.memory_mb, self.cpus, mounts, runtime=runtime)
             )
             self.registry.add(execution)
             try:
@@ -235,6 +251,14 @@ class CodeInterpreter:
             killed=outcome.killed,
             queued_ms=int(queued_s * 1000),
         )
+
+    async def runtime_in_force(self, image_ref: str) -> Runtime:
+        """The isolation runtime of every container of this interpreter (self-tested on first use)."""
+        return await self.runtime.require(self.engine, image_ref, probe_spec(self.cpus))
+
+    async def _pool_spec(self, execution_id: str, image_ref: str) -> ContainerSpec:
+        runtime = await self.runtime_in_force(image_ref)
+        return container_spec(execution_id, image_ref, DEFAULT_MEMORY_MB, self.cpus, runtime=runtime)
 
     def _refuse_if_closing(self) -> None:
         if self.closing:
