@@ -1,0 +1,82 @@
+"""The test suite's benign programs (the code interpreter's and the module gate's) under each isolation
+runtime: their total time end to end, through a pooled service of each runtime, in the same run.
+
+A round runs every program once on each runtime, the runtimes' order alternating from round to round.
+Before each program the benchmark waits, untimed, until the service's pool is full, as the latency rows
+do; each program's output is checked, and a wrong one is counted, not timed. The programs come from the
+tests (`tests/sandbox/test_code_interpreter.py`, `tests/sandbox/test_gate.py`), so the benchmark needs
+the dev environment (`scripts/bootstrap --dev`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bench.service import BenchService
+from bench.stats import Summary
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    code: str
+    stdin: str | None
+    stdout: str
+
+
+def programs() -> list[Program]:
+    # The tests' modules, imported on use (they need the dev environment's pytest) and by name, so that
+    # the type check of bench/ does not reach into the tests.
+    interpreter = importlib.import_module("tests.sandbox.test_code_interpreter")
+    gate = importlib.import_module("tests.sandbox.test_gate")
+    return [Program(f"interpreter:{name}", code, None, out) for name, (code, out) in interpreter.BENIGN.items()] + [
+        Program(f"gate:{case.id}", case.code, case.stdin or None, case.stdout) for case in gate.BENIGN
+    ]
+
+
+def _run(service: BenchService, program: Program) -> tuple[float | None, float]:
+    """(end-to-end ms, the response's duration_ms), or (None, 0) when the program's output was wrong."""
+    service.wait_pool_full()
+    body: dict[str, Any] = {"code": program.code, "timeout_s": 10}
+    if program.stdin is not None:
+        body["stdin"] = program.stdin
+    started = time.perf_counter()
+    response = service.client.post("/tools/code-interpreter", json=body)
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    result: dict[str, Any] = response.json()
+    if response.status_code != 200 or result.get("stdout") != program.stdout or result.get("exit_code") != 0:
+        return None, 0.0
+    return elapsed_ms, float(result["duration_ms"])
+
+
+def measure(services: dict[str, BenchService], *, rounds: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Per runtime (`services`' keys): the programs' total time per round, their code's own time, failures."""
+    chosen = programs()
+    totals: dict[str, list[float]] = {name: [] for name in services}
+    code_totals: dict[str, list[float]] = {name: [] for name in services}
+    failures: dict[str, list[str]] = {name: [] for name in services}
+    for index in range(rounds):
+        order = list(services) if index % 2 == 0 else list(reversed(services))
+        for runtime in order:
+            total = code = 0.0
+            for program in chosen:
+                elapsed_ms, code_ms = _run(services[runtime], program)
+                if elapsed_ms is None:
+                    failures[runtime].append(program.name)
+                    continue
+                total += elapsed_ms
+                code += code_ms
+            totals[runtime].append(total)
+            code_totals[runtime].append(code)
+        progress(f"benign programs: round {index + 1}/{rounds}")
+    return {
+        "programs": len(chosen),
+        "rounds": rounds,
+        "total_ms": {name: Summary.of(values).as_dict() for name, values in totals.items()},
+        "code_total_ms": {name: Summary.of(values).as_dict() for name, values in code_totals.items()},
+        "failures": failures,
+    }
