@@ -165,6 +165,27 @@ def test_output_flood_is_truncated_with_a_marker_while_the_service_stays_small(s
     assert after - before < 64 * 1024  # KiB: the flood was counted, not kept
 
 
+FOREVER_FLOODS = {
+    "sync-write": "const chunk = 'x'.repeat(1 << 16); for (;;) process.stdout.write(chunk);",
+    "console-log": "for (let i = 0; ; i++) console.log('line', i, 'y'.repeat(1000));",
+    "async-write": "const chunk = 'z'.repeat(1 << 16);"
+    " (function more() { process.stdout.write(chunk); setImmediate(more); })();",
+    "stderr": "const chunk = 'e'.repeat(1 << 16); for (;;) process.stderr.write(chunk);",
+}
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("code", FOREVER_FLOODS.values(), ids=FOREVER_FLOODS.keys())
+def test_a_program_that_floods_forever_ends_at_its_deadline_with_capped_output(run_js_both: RunJs, code: str) -> None:
+    # Output written faster than the service reads it must wait in the pipe, not pile up in the process:
+    # the program runs until its deadline rather than dying early of a full heap.
+    result = run_js_both(code, timeout_s=2)
+    assert result.timed_out, result
+    assert not result.body["oom_killed"]
+    assert "heap out of memory" not in result.stderr
+    assert result.body["stdout_truncated"] or result.body["stderr_truncated"]
+
+
 def test_truncation_never_splits_a_character(run_js_both: RunJs) -> None:
     result = run_js_both("process.stdout.write('€'.repeat(40000))")  # 120,000 bytes of 3-byte characters
     kept = result.stdout.split("\n[output truncated")[0]

@@ -230,18 +230,21 @@ HOSTILE = [
         path_message("/opt/metaagent/gate.js"),
     ),
     Hostile(
-        "require-debian-global-package",
+        "require-debian-global-package-is-not-found",
+        # Resolution probes only the allowed folders: Debian's /usr/share/nodejs is not even looked at.
         REPORT + "try { require('undici'); console.log('ESCAPED'); } catch (e) { report('require', e); }",
-        path_message("undici"),
+        "require -> MODULE_NOT_FOUND: Cannot find module 'undici'",
     ),
     Hostile(
         "node-path-at-run-time",
         REPORT
         + """
-        process.env.NODE_PATH = '/etc'; require('module')._initPaths();
+        process.env.NODE_PATH = '/etc';
+        try { require('module')._initPaths(); console.log('ESCAPED'); } catch (e) { report('initPaths', e); }
+        module.paths.push('/etc');
         try { require('passwd'); console.log('ESCAPED'); } catch (e) { report('require', e); }
         """,
-        path_message("passwd"),
+        api_message("module._initPaths"),
     ),
     Hostile(
         "require-extensions-js-reads-any-file",
@@ -274,15 +277,16 @@ HOSTILE = [
     ),
     Hostile(
         "module-run-main",
+        # runMain loads an ES module main through node's ESM loader, outside the gate: refused outright.
         REPORT + "process.argv[1] = '/etc/passwd';"
-        " try { require('module').runMain(); } catch (e) { report('runMain', e); }",
-        path_message("/etc/passwd"),
+        " try { require('module').runMain(); console.log('ESCAPED'); } catch (e) { report('runMain', e); }",
+        api_message("module.runMain"),
     ),
     Hostile(
         "module-preload-modules",
         REPORT + "try { require('module')._preloadModules(['child_process']); console.log('ESCAPED'); }"
         " catch (e) { report('preload', e); }",
-        module_message("child_process"),
+        api_message("module._preloadModules"),
     ),
     Hostile(
         "request-object-that-changes-its-name",
@@ -437,6 +441,180 @@ def test_hostile_spelling_is_refused(run_js: RunJs, case: Hostile) -> None:
         assert result.exit_code == 0, out
 
 
+# --- the classes of the gate's review: forged replies, reachable handles, probes without fs ----------
+
+# Every method a hooks thread's channel would use, replaced by one that answers any request with fs, as a
+# forged reply from a hooks thread would. With import() decided on this thread, none of them is called.
+FORGED_REPLIES = """
+const forged = { status: 'success', body: { format: 'builtin', responseURL: 'node:fs', source: null } };
+let calls = 0;
+const targets = [MessagePort.prototype, EventTarget.prototype, BroadcastChannel.prototype, MessageChannel.prototype];
+for (const target of targets) {
+  for (const key of Reflect.ownKeys(target)) {
+    const d = Object.getOwnPropertyDescriptor(target, key);
+    if (key === 'constructor' || typeof d.value !== 'function' || !d.configurable) continue;
+    Object.defineProperty(target, key, { value: function (...args) {
+      calls++;
+      if (args[0] && typeof args[0] === 'object') Object.assign(args[0], forged);
+      return forged;
+    }, configurable: true, writable: true });
+  }
+}
+for (const key of ['wait', 'notify', 'waitAsync', 'load', 'store']) Atomics[key] = () => { calls++; return 'ok'; };
+(async () => {
+  const decoder = await import('node:string_decoder');
+  const { StringDecoder, readFileSync } = decoder;
+  console.log('string_decoder:', typeof StringDecoder, typeof readFileSync, typeof decoder.default.readFileSync);
+  for (const s of ['node:fs', 'fs/promises', 'child_process', 'node:net', 'worker_threads']) {
+    await import(s).then(() => console.log('ESCAPED', s), e => console.log(s, '->', e.code));
+  }
+  console.log('channel calls:', calls);
+})();
+"""
+
+
+def test_import_answers_come_from_the_gate_not_a_channel_user_code_can_forge(run_js_both: RunJs) -> None:
+    result = run_js_both(FORGED_REPLIES)
+    out = output_of(result)
+    assert result.exit_code == 0, out
+    assert "string_decoder: function undefined undefined" in out
+    for name in ("node:fs", "fs/promises", "child_process", "node:net", "worker_threads"):
+        assert f"{name} -> {BLOCKED_MODULE}" in out
+    assert "channel calls: 0" in out
+
+
+HANDLES = (
+    REPORT
+    + """
+const pending = import('node:path');
+const resources = process.getActiveResourcesInfo();
+console.log('while import() is pending:', resources.filter(r => /Port|Worker|Message/.test(r)).join(',') || 'no port');
+for (const [label, call] of [
+  ['activeHandles', () => process._getActiveHandles()],
+  ['activeRequests', () => process._getActiveRequests()],
+  ['createHook', () => require('async_hooks').createHook({ init() {} }).enable()],
+  ['executionAsyncResource', () => require('async_hooks').executionAsyncResource()],
+]) {
+  try { const got = call(); console.log('ESCAPED', label, got); } catch (e) { report(label, e); }
+}
+pending.then(async () => {
+  const hooks = await import('node:async_hooks');
+  try { hooks.createHook({}); console.log('ESCAPED import'); } catch (e) { report('import createHook', e); }
+  for (const name of ['stdin', 'stdout', 'stderr']) {
+    const stream = process[name];
+    console.log(name, typeof stream._handle, stream.constructor.name);
+  }
+  // domain, which node builds on createHook, still works.
+  const d = require('domain').create();
+  d.on('error', (e) => console.log('domain caught', e.message));
+  d.run(() => setTimeout(() => { throw new Error('in a domain'); }, 1));
+});
+"""
+)
+
+
+def test_no_handle_of_the_runner_is_reachable(run_js_both: RunJs) -> None:
+    result = run_js_both(HANDLES)
+    out = output_of(result)
+    assert result.exit_code == 0, out
+    assert "while import() is pending: no port" in out
+    for api in (
+        "process._getActiveHandles",
+        "process._getActiveRequests",
+        "async_hooks.createHook",
+        "async_hooks.executionAsyncResource",
+    ):
+        assert api_message(api) in out
+    assert f"import createHook -> {api_message('async_hooks.createHook')}" in out
+    for name, kind in (("stdin", "Readable"), ("stdout", "Writable"), ("stderr", "Writable")):
+        assert f"{name} undefined {kind}" in out
+    assert "domain caught in a domain" in out
+
+
+# Each probe runs twice: on a path that exists and on one that does not. The answers must be the same
+# (the path's name aside): a difference would tell user code that the path exists.
+PROBES = """
+const M = require('module');
+const http = require('http');
+const Socket = Object.getPrototypeOf(require('tty').ReadStream);
+const probes = {
+  findPath: (p) => M._findPath(p, ['']),
+  findPathIn: (p) => M._findPath(require('path').basename(p), [require('path').dirname(p)]),
+  findPathRelative: (p) => M._findPath('../..' + p, ['/app/node_modules']),
+  stat: (p) => M._stat(p),
+  readPackage: (p) => M._readPackage(p),
+  resolvePaths: (p) => require.resolve(require('path').basename(p), { paths: [require('path').dirname(p)] }),
+  modulePaths: (p) => {
+    module.paths.unshift(require('path').dirname(p));
+    return require(require('path').basename(p));
+  },
+  requireRelative: (p) => require('../..' + p),
+  requireAbsolute: (p) => require(p),
+  chdir: (p) => process.chdir(p),
+  socketConnect: (p) => new Socket().connect(p),
+  httpSocketPath: (p) => http.get({ socketPath: p, path: '/' }),
+  listenPath: (p) => new http.Server().listen(p),
+};
+const answer = (fn, path) => {
+  try { const v = fn(path); return 'returned ' + (typeof v === 'object' && v ? v.constructor.name : String(v)); }
+  catch (e) {
+    const message = String(e.message).split('\\n')[0];
+    return `${e.code}: ${message.split(path).join('<path>').split(require('path').basename(path)).join('<name>')}`;
+  }
+};
+for (const [name, fn] of Object.entries(probes)) {
+  for (const [existing, missing] of [['/etc/passwd', '/etc/no-such-file'], ['/proc/self/fd/1', '/proc/self/fd/999']]) {
+    const a = answer(fn, existing), b = answer(fn, missing);
+    console.log(a === b ? 'same' : 'DIFFERENT', name, existing, '|', a, '|', b);
+  }
+}
+"""
+
+
+def test_no_probe_tells_whether_a_path_exists(run_js_both: RunJs) -> None:
+    result = run_js_both(PROBES)
+    out = output_of(result)
+    assert result.exit_code == 0, out
+    lines = result.stdout.splitlines()
+    assert len(lines) == 26, out
+    assert [line for line in lines if not line.startswith("same ")] == []
+    # And each probe is a refusal or a not-found, never an answer about the file.
+    assert all(
+        f"{BLOCKED_API}:" in line
+        or f"{BLOCKED_MODULE}:" in line
+        or "returned false" in line
+        or "MODULE_NOT_FOUND" in line
+        for line in lines
+    ), out
+
+
+# Properties planted on Object.prototype ride along with every options object made as a literal: the gate
+# hands node only null-prototype options, so a forged V8 code cache or import callback is never used.
+PLANTED_OPTIONS = (
+    REPORT
+    + """
+Object.prototype.cachedData = Buffer.from('forged bytecode');
+Object.prototype.produceCachedData = true;
+Object.prototype.importModuleDynamically = () => { console.log('ESCAPED planted callback'); return {}; };
+Object.prototype.path = '/etc/passwd';
+const m = new module.constructor('/app/x.js', null);
+m._compile("module.exports = { value: 6 * 7, fs: import('fs') }", '/app/x.js');
+console.log('compiled', m.exports.value);
+m.exports.fs.then(() => console.log('ESCAPED'), e => report('import', e));
+require('http').get('http://127.0.0.1:9/').on('error', e => console.log('http', e.code));
+"""
+)
+
+
+def test_properties_planted_on_object_prototype_do_not_reach_the_gate(run_js_both: RunJs) -> None:
+    result = run_js_both(PLANTED_OPTIONS)
+    out = output_of(result)
+    assert result.exit_code == 0, out
+    assert "compiled 42" in out
+    assert f"import -> {module_message('fs')}" in out
+    assert "http ECONNREFUSED" in out  # a TCP connection, not the planted Unix socket path
+
+
 # --- prototype poisoning ------------------------------------------------------------------------------
 
 POISON_ATTEMPTS = """
@@ -478,8 +656,8 @@ Function.prototype.call = function () { return {}; };
 Function.prototype.apply = function () { return {}; };
 """
 
-# Poisoning that breaks node's own ESM plumbing too (import() then fails with node's error): the
-# CommonJS spellings must still be refused with the gate's errors, and nothing may escape.
+# Poisoning of iterators and of Object.prototype, which node's own plumbing reads: every spelling, import()
+# included (decided on this thread with captured built-ins), is still refused with the gate's errors.
 POISON_DEEPER = (
     POISON_GATE_HELPERS
     + """
@@ -490,20 +668,18 @@ Object.defineProperty(Object.prototype, 'get', { value: () => ({}), configurable
 
 
 @pytest.mark.parametrize(
-    ("poison", "blocked_lines"),
-    [(POISON_GATE_HELPERS, 9), (POISON_DEEPER, 8)],
-    ids=["gate-helpers-poisoned", "iterators-and-descriptors-poisoned"],
+    "poison", [POISON_GATE_HELPERS, POISON_DEEPER], ids=["gate-helpers-poisoned", "iterators-and-descriptors-poisoned"]
 )
-def test_prototype_poisoning_does_not_open_the_gate(run_js: RunJs, poison: str, blocked_lines: int) -> None:
+def test_prototype_poisoning_does_not_open_the_gate(run_js: RunJs, poison: str) -> None:
     result = run_js(POISON_ATTEMPTS.replace("POISON", poison), timeout_s=5)
     out = output_of(result)
     assert result.exit_code == 0, out
     lines = result.stdout.splitlines()
     blocked = [line for line in lines if f"-> {BLOCKED_MODULE}: " in line or f"-> {BLOCKED_API}: " in line]
-    assert len(blocked) == blocked_lines, out
+    assert len(blocked) == 9, out  # the eight attempts and import()
     assert f'require -> {BLOCKED_MODULE}: Module "fs" is blocked in the sandbox (node:fs)' in lines
     assert f"binding -> {BLOCKED_API}: process.binding is blocked in the sandbox" in lines
-    assert any(line.startswith("import -> ") for line in lines), out
+    assert f'import -> {BLOCKED_MODULE}: Module "fs" is blocked in the sandbox (node:fs)' in lines
 
 
 # --- benign programs ----------------------------------------------------------------------------------

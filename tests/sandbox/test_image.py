@@ -18,13 +18,20 @@ import pytest
 
 from metaagent.sandbox import image as sandbox_image
 from metaagent.sandbox.execute import RUNNER_READY
-from metaagent.sandbox.image import IMAGE_LABEL, IMAGE_REPOSITORY, RUNNER_PATH, build_image, image_present, image_tag
+from metaagent.sandbox.image import (
+    IMAGE_LABEL,
+    IMAGE_REPOSITORY,
+    build_image,
+    image_present,
+    image_tag,
+    runner_command,
+)
 from tests.test_cli import run as run_cli
 
 pytestmark = pytest.mark.docker
 
 CACHE_DIR = Path("/var/cache/metaagent")
-COMMAND = ["/usr/bin/dumb-init", "--", "/usr/bin/node", "--max-old-space-size=128", RUNNER_PATH]
+COMMAND = ["/usr/bin/dumb-init", "--", *runner_command(128)]
 RUN_TIMEOUT = 60
 
 

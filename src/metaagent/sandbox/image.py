@@ -45,6 +45,7 @@ __all__ = [
     "image_present",
     "image_tag",
     "prune_images",
+    "runner_command",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,16 @@ IMAGE_REPOSITORY = "metaagent-sandbox"
 IMAGE_LABEL = "org.metaagent.sandbox"
 RUNNER_DIR = Path(__file__).parent / "runner"
 RUNNER_PATH = "/opt/metaagent/runner.js"  # where runner.js lands in the image
+
+
+def runner_command(heap_mb: int) -> list[str]:
+    """node running the trusted runner with a heap limit of `heap_mb` MiB.
+
+    --experimental-vm-modules: the gate decides import() itself, through vm's importModuleDynamically
+    (runner/imports.js), which node honours only with this flag.
+    """
+    return ["/usr/bin/node", f"--max-old-space-size={heap_mb}", "--experimental-vm-modules", RUNNER_PATH]
+
 
 # Bump when the assembly below changes in a way the runner files do not show (new files, modes...).
 RECIPE_VERSION = 1

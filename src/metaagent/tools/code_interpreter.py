@@ -21,6 +21,7 @@ from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
 from metaagent.packages.store import NO_PACKAGES, PackageStore, PreparedPackages
 from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine, Mount
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, payload
+from metaagent.sandbox.image import runner_command
 from metaagent.sandbox.network import ExecutionNetwork, SandboxNetwork
 from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
@@ -30,7 +31,6 @@ log = logging.getLogger("metaagent.code_interpreter")
 
 MAX_CODE_BYTES = 1024 * 1024
 DEFAULT_MEMORY_MB = 256
-RUNNER = "/opt/metaagent/runner.js"
 
 
 class NetworkPolicy(BaseModel):
@@ -123,7 +123,7 @@ def container_spec(
     # Node's heap limit below the container's, so that a hog usually ends with a JavaScript heap
     # error the program's author can read, rather than a silent OOM kill.
     heap_mb = max(32, memory_mb * 3 // 4)
-    node = ["/usr/bin/node", f"--max-old-space-size={heap_mb}", RUNNER]
+    node = runner_command(heap_mb)
     return ContainerSpec(
         # The trusted runner loads (node and the gate) with the machine's CPUs, not the execution's
         # share; the share applies before the code is handed over. A command of the tests' runs at once,

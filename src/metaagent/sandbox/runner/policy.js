@@ -1,8 +1,8 @@
 'use strict';
 // metaagent module policy: which modules user code may load, and the errors that refuse the others.
 //
-// Shared by gate.js (main thread: the CommonJS loader and the process object) and gate-hooks.mjs (the
-// ESM hooks thread), so that both refuse the same things with the same codes and messages.
+// Shared by gate.js (the CommonJS loader and the process object) and imports.js (import()), so that
+// both refuse the same things with the same codes and messages.
 //
 // Everything this file needs at decision time is captured when it loads, which is before any user
 // code exists: user code may later replace Array.prototype.includes, String.prototype.startsWith,
@@ -19,7 +19,7 @@ const StringPrototypeSlice = String.prototype.slice;
 const ErrorCtor = Error;
 const ErrorCaptureStackTrace = Error.captureStackTrace;
 const TypeErrorCtor = TypeError;
-const pathNormalize = require('path').posix.normalize;
+const { normalize: pathNormalize, resolve: pathResolve, dirname: pathDirname } = require('path').posix;
 const builtinModules = require('module').builtinModules;
 
 const CODE_BLOCKED_MODULE = 'ERR_METAAGENT_BLOCKED_MODULE';
@@ -115,6 +115,13 @@ function refusedBuiltin(request) {
   return undefined;
 }
 
+// The built-in a request names, without the node: scheme, or undefined when it names none.
+function builtinName(request) {
+  if (typeof request !== 'string') return undefined;
+  if (startsWith(request, 'node:')) return slice(request, 5);
+  return builtin[request] === true ? request : undefined;
+}
+
 function isBuiltinName(name) {
   return typeof name === 'string' && (startsWith(name, 'node:') || builtin[name] === true);
 }
@@ -127,6 +134,15 @@ function isAllowedPath(path) {
     if (startsWith(normal, ALLOWED_ROOTS[i])) return true;
   }
   return false;
+}
+
+// The absolute path a request names relative to `base` (a folder), normalised: where a loader would look.
+function resolveFrom(base, request) {
+  return pathResolve(base, request);
+}
+
+function isRelativeRequest(request) {
+  return request === '.' || request === '..' || startsWith(request, './') || startsWith(request, '../');
 }
 
 function builtinBlockedError(name, callee) {
@@ -146,6 +162,10 @@ function urlBlockedError(specifier, scheme) {
     CODE_BLOCKED_MODULE,
     `Module "${shorten(specifier)}" is blocked in the sandbox (${scheme} URLs cannot be imported)`,
   );
+}
+
+function blockedModuleError(message, callee) {
+  return blockedError(CODE_BLOCKED_MODULE, message, callee);
 }
 
 function apiBlockedError(api, callee) {
@@ -172,11 +192,16 @@ module.exports = ObjectFreeze({
   ALLOWED_BUILTINS,
   BLOCKED_BUILTINS,
   refusedBuiltin,
+  builtinName,
   isBuiltinName,
   isAllowedPath,
+  isRelativeRequest,
+  resolveFrom,
+  dirname: pathDirname,
   builtinBlockedError,
   pathBlockedError,
   urlBlockedError,
+  blockedModuleError,
   apiBlockedError,
   requireString,
 });

@@ -1,5 +1,5 @@
 'use strict';
-// metaagent trusted runner: the first and only script node loads in a sandbox container.
+// metaagent trusted runner: the first and only script node loads in a one-shot sandbox container.
 //
 // Protocol on the real stdin (sent by the host through the attach socket):
 //   {"code_bytes": N, "stdin_bytes": M}\n   one UTF-8 JSON header line
@@ -11,40 +11,38 @@
 // fetch through that socket. The host may keep stdin open afterwards, so we count bytes and never wait
 // for EOF.
 //
-// Built-ins are captured below, before any user code exists: user code can replace globals and
-// prototypes, but not these bindings, so anything that runs later (the module gate's hooks above all)
-// must use them rather than the live globals.
+// Everything the runner and the gate use once user code runs is captured while this file and the ones
+// it requires load, before any payload byte is read: user code can replace globals and prototypes, but
+// not these bindings (gate.js lists what the gate relies on).
 
 const Module = require('module');
-const { Readable } = require('stream');
 const { Buffer } = require('buffer');
-// The module gate (gate.js, with policy.js and gate-hooks.mjs): loaded here, before any payload byte
-// arrives, so that it captures built-ins and starts its ESM hooks thread while no user code exists.
+// The program's stdio and the runner's own reads and writes of fds 0-2; loaded first, as it captures fs.
+const stdio = require('./stdio.js');
+// The module gate (gate.js, with policy.js and imports.js).
 const gate = require('./gate.js');
-// Egress through the execution's tunnel: loaded now for the same reason, it captures net and tls, which
-// the gate refuses to user code.
+// Egress through the execution's tunnel: it captures net and tls, which the gate refuses to user code.
 const egress = require('./egress.js');
 // Out of the CommonJS cache at once: require.cache leads to nothing of the runner's (as for the gate).
 delete Module._cache[require.resolve('./egress.js')];
+delete Module._cache[require.resolve('./stdio.js')];
 
-const realStdin = process.stdin;
-const realStderr = process.stderr;
 const processExit = process.exit.bind(process);
 const jsonParse = JSON.parse;
-const defineProperty = Object.defineProperty;
 const isSafeInteger = Number.isSafeInteger;
 const defer = setImmediate;
 
 const USER_FILENAME = '/app/main.js';
 const USER_DIRNAME = '/app';
 const MAX_HEADER_BYTES = 1024;
+const READ_CHUNK = 65536;
 const EXIT_BAD_PAYLOAD = 70; // EX_SOFTWARE: tells the host the runner, not the user's code, gave up.
 const COUNT_FIELDS = ['code_bytes', 'stdin_bytes', 'extra_ca_bytes'];
 const EGRESS_FIELDS = ['egress_socket', 'egress_max_tunnels', 'extra_ca_bytes'];
 const EGRESS_SOCKET_DIR = '/run/metaagent/';
 
 function badPayload(reason) {
-  realStderr.write(`metaagent-runner: bad payload: ${reason}\n`);
+  stdio.writeStderr(`metaagent-runner: bad payload: ${reason}\n`);
   processExit(EXIT_BAD_PAYLOAD);
 }
 
@@ -88,86 +86,52 @@ function parseHeader(line) {
   };
 }
 
-// Reads header, code, stdin and extra CAs from the real stdin, then calls done(code, stdinBuffer, egress)
-// exactly once; egress is null, or {socketPath, maxTunnels, extraCa} for an execution with network.
-function readPayload(done) {
-  let pending = Buffer.alloc(0); // bytes received but not yet attributed to the header
+// Reads header, code, stdin and extra CAs from the real stdin, blocking (a warm runner waits here, idle,
+// for its payload). Returns {code, input, egress}; egress is null, or {socketPath, maxTunnels, extraCa}.
+function readPayload() {
+  let pending = Buffer.alloc(0); // bytes received up to the end of the header line
   let header = null;
-  const body = [];
-  let bodyLength = 0;
-  let finished = false;
-
-  function finish() {
-    finished = true;
-    realStdin.removeListener('data', onData);
-    realStdin.removeListener('end', onEnd);
-    realStdin.removeListener('error', onError);
-    // Closing the real handle keeps it from holding the event loop open and leaves user code no way
-    // to read past the payload.
-    realStdin.pause();
-    realStdin.destroy();
-    const all = Buffer.concat(body, bodyLength);
-    const code = all.subarray(0, header.codeBytes).toString('utf8');
-    const stdinEnd = header.codeBytes + header.stdinBytes;
-    const input = all.subarray(header.codeBytes, stdinEnd);
-    let egressConfig = null;
-    if (header.egress !== null) {
-      const extraCa = all.subarray(stdinEnd, stdinEnd + header.extraCaBytes).toString('ascii');
-      egressConfig = { ...header.egress, extraCa };
+  while (header === null) {
+    const chunk = Buffer.alloc(READ_CHUNK);
+    const size = stdio.readStdin(chunk);
+    if (size === 0) return badPayload('stdin ended before the header line');
+    pending = Buffer.concat([pending, chunk.subarray(0, size)]);
+    const newline = pending.indexOf(0x0a);
+    if (newline === -1 ? pending.length > MAX_HEADER_BYTES : newline > MAX_HEADER_BYTES) {
+      return badPayload(`no header line in the first ${MAX_HEADER_BYTES} bytes`);
     }
-    done(code, Buffer.from(input), egressConfig); // a copy, so the user's stdin does not share the code's memory
-  }
-
-  function onData(chunk) {
-    if (finished) return;
-    if (header === null) {
-      pending = Buffer.concat([pending, chunk]);
-      const newline = pending.indexOf(0x0a);
-      if (newline === -1 ? pending.length > MAX_HEADER_BYTES : newline > MAX_HEADER_BYTES) {
-        return badPayload(`no header line in the first ${MAX_HEADER_BYTES} bytes`);
-      }
-      if (newline === -1) return; // wait for the rest of the header
+    if (newline !== -1) {
       header = parseHeader(pending.subarray(0, newline));
-      chunk = pending.subarray(newline + 1);
-      pending = null;
+      pending = pending.subarray(newline + 1);
     }
-    body.push(chunk);
-    bodyLength += chunk.length;
-    if (bodyLength >= header.codeBytes + header.stdinBytes + header.extraCaBytes) finish();
   }
-
-  function onEnd() {
-    if (finished) return;
-    if (header === null) return badPayload('stdin ended before the header line');
-    badPayload(`stdin ended after ${bodyLength} of ${header.codeBytes + header.stdinBytes + header.extraCaBytes} body bytes`);
+  const total = header.codeBytes + header.stdinBytes + header.extraCaBytes;
+  const body = Buffer.alloc(total);
+  let received = Math.min(pending.length, total);
+  pending.copy(body, 0, 0, received);
+  while (received < total) {
+    const size = stdio.readStdin(body.subarray(received));
+    if (size === 0) return badPayload(`stdin ended after ${received} of ${total} body bytes`);
+    received += size;
   }
-
-  function onError(err) {
-    if (!finished) badPayload(`cannot read stdin (${err.message})`);
+  const code = body.subarray(0, header.codeBytes).toString('utf8');
+  const stdinEnd = header.codeBytes + header.stdinBytes;
+  const input = Buffer.from(body.subarray(header.codeBytes, stdinEnd)); // a copy: not sharing the code's memory
+  let egressConfig = null;
+  if (header.egress !== null) {
+    egressConfig = { ...header.egress, extraCa: body.subarray(stdinEnd, total).toString('ascii') };
   }
-
-  realStdin.on('data', onData);
-  realStdin.on('end', onEnd);
-  realStdin.on('error', onError);
+  return { code, input, egress: egressConfig };
 }
 
-// The user's process.stdin: a plain Readable holding exactly the bytes the host sent, then EOF.
-// It is not an fs.ReadStream or net.Socket, so its constructor leads to no file or socket API.
-function installStdin(input) {
-  const stream = new Readable({
-    read() {
-      if (input.length > 0) this.push(input);
-      this.push(null);
-    },
-  });
-  defineProperty(process, 'stdin', { value: stream, enumerable: true, writable: false, configurable: false });
-}
-
-// MODULE GATE: hardening of the module system and process (see NODE_HARDENING.md, "the in-process
-// gate", and gate.js). It runs after the payload is read and before the user's module is compiled; the
-// gate decides only with bindings it captured when it was loaded at the top of this file.
-function installGate() {
-  gate.install();
+// EGRESS: with network, node's http, https and fetch go through the execution's tunnel (egress.js).
+function installEgress(config) {
+  try {
+    egress.install(config);
+  } catch (err) {
+    stdio.writeStderr(`metaagent-runner: egress cannot start: ${err && err.message}\n`);
+    processExit(EXIT_BAD_PAYLOAD);
+  }
 }
 
 // Runs the user's code as its own CommonJS main module, exactly as `node /app/main.js` would, so that
@@ -186,27 +150,18 @@ function runUserModule(code) {
   userModule.loaded = true;
 }
 
-// EGRESS: with network, node's http, https and fetch go through the execution's tunnel (egress.js).
-function installEgress(config) {
-  try {
-    egress.install(config);
-  } catch (err) {
-    realStderr.write(`metaagent-runner: egress cannot start: ${err && err.message}\n`);
-    processExit(EXIT_BAD_PAYLOAD);
-  }
-}
-
 // Node and the gate are loaded: tell the host, which starts the execution's clock (and, for a warm
 // container, hands it out) only now. No user code exists yet, so no user code can forge this line.
 // The same bytes are RUNNER_READY in sandbox/execute.py.
-realStderr.write('metaagent-runner: ready\n');
+stdio.writeStderr('metaagent-runner: ready\n');
 
-readPayload((code, input, egressConfig) => {
-  // A fresh macrotask, so the user's stack traces do not start inside the stdin stream's internals.
-  defer(() => {
-    installStdin(input);
-    if (egressConfig !== null) installEgress(egressConfig);
-    installGate();
-    runUserModule(code);
-  });
+const payload = readPayload();
+// A fresh macrotask, so the user's stack traces do not start inside the runner.
+defer(() => {
+  stdio.install(payload.input);
+  if (payload.egress !== null) installEgress(payload.egress);
+  // The module gate: hardening of the module system and process (NODE_HARDENING.md, gate.js), after
+  // the payload is read and before the user's module is compiled.
+  gate.install({ unixSockets: payload.egress === null ? [] : [payload.egress.socketPath] });
+  runUserModule(payload.code);
 });
