@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--phase-iterations", type=int, help="pooled executions timed phase by phase (default 10)")
     parser.add_argument("--benign-rounds", type=int, help="rounds of the benign programs per runtime (default 2)")
     parser.add_argument(
+        "--benign-runtimes", type=_csv(str), default=["runc", "runsc"], help="runtimes of the benign rounds"
+    )
+    parser.add_argument(
         "--runsc-concurrency", type=_csv(int), default=[4], help="throughput levels under runsc (default 4)"
     )
     parser.add_argument("--no-runsc", action="store_true", help="leave the runsc (gVisor) rows out")
@@ -153,6 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "allowlist_seconds": args.allowlist_seconds,
         "phase_iterations": args.phase_iterations,
         "benign_rounds": args.benign_rounds,
+        "benign_runtimes": args.benign_runtimes,
         "runsc_concurrency": args.runsc_concurrency,
     }
     runsc_problem = "--no-runsc" if args.no_runsc else _runsc_usable(client)
@@ -171,7 +175,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # The issue-8 rows run runc, as before; the runsc rows beside them, same programs, same run.
         pooled = cold = pooled_runsc = cold_runsc = None
-        if only & {"latency", "throughput", "http", "benign"}:
+        benign_runc = "benign" in only and "runc" in args.benign_runtimes
+        benign_runsc = "benign" in only and RUNSC.name in args.benign_runtimes
+        if only & {"latency", "throughput", "http"} or benign_runc:
             progress("starting the service (warm pool on)")
             pooled = stack.enter_context(
                 BenchService(
@@ -188,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cold = stack.enter_context(
                 BenchService("cold", METAAGENT_POOL_ENABLED="false", METAAGENT_SANDBOX_RUNTIME="runc")
             )
-        if not runsc_problem and only & {"latency", "throughput", "benign"}:
+        if not runsc_problem and (only & {"latency", "throughput"} or benign_runsc):
             progress("starting the service under runsc (warm pool on)")
             pooled_runsc = stack.enter_context(
                 BenchService("pooled-runsc", METAAGENT_EXECUTION_QUEUE_SIZE="64", METAAGENT_SANDBOX_RUNTIME=RUNSC.name)
@@ -224,8 +230,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 cold_runsc=cold_runsc,
             )
 
-        if "benign" in only and pooled is not None:
-            services = {"runc": pooled, **({"runsc": pooled_runsc} if pooled_runsc is not None else {})}
+        services = {
+            name: service
+            for name, service, wanted in (("runc", pooled, benign_runc), (RUNSC.name, pooled_runsc, benign_runsc))
+            if service is not None and wanted
+        }
+        if services:
             results["benign"] = benign.measure(services, rounds=args.benign_rounds, progress=progress)
 
         if "phases" in only:

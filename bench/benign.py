@@ -3,14 +3,18 @@ runtime: their total time end to end, through a pooled service of each runtime, 
 
 A round runs every program once on each runtime, the runtimes' order alternating from round to round.
 Before each program the benchmark waits, untimed, until the service's pool is full, as the latency rows
-do; each program's output is checked, and a wrong one is counted, not timed. The programs come from the
-tests (`tests/sandbox/test_code_interpreter.py`, `tests/sandbox/test_gate.py`), so the benchmark needs
-the dev environment (`scripts/bootstrap --dev`).
+do; each program's output is checked, and a wrong one is counted, not timed. A crash at start in a
+warm container never reaches a program: the pool starts another, and /metrics counts it, which is
+reported too. `--only benign --benign-runtimes runsc --benign-rounds 50` is the start-up crash count.
+
+The programs come from the tests (`tests/sandbox/test_code_interpreter.py`, `tests/sandbox/test_gate.py`),
+so the benchmark needs the dev environment (`scripts/bootstrap --dev`).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,8 +42,8 @@ def programs() -> list[Program]:
     ]
 
 
-def _run(service: BenchService, program: Program) -> tuple[float | None, float]:
-    """(end-to-end ms, the response's duration_ms), or (None, 0) when the program's output was wrong."""
+def _run(service: BenchService, program: Program) -> tuple[float, float] | str:
+    """(end-to-end ms, the response's duration_ms), or what was wrong with the program's answer."""
     service.wait_pool_full()
     body: dict[str, Any] = {"code": program.code, "timeout_s": 10}
     if program.stdin is not None:
@@ -49,25 +53,39 @@ def _run(service: BenchService, program: Program) -> tuple[float | None, float]:
     elapsed_ms = (time.perf_counter() - started) * 1000
     result: dict[str, Any] = response.json()
     if response.status_code != 200 or result.get("stdout") != program.stdout or result.get("exit_code") != 0:
-        return None, 0.0
+        fields = ("exit_code", "timed_out", "oom_killed", "container_path")
+        answer = {key: result.get(key) for key in fields} | {"stderr": str(result.get("stderr", ""))[:300]}
+        return f"{program.name}: HTTP {response.status_code} {json.dumps(answer)}"
     return elapsed_ms, float(result["duration_ms"])
 
 
+def start_retries(service: BenchService) -> float:
+    """The service's count of warm containers whose runner died before any code was handed over."""
+    for line in service.client.get("/metrics").text.splitlines():
+        if line.startswith("metaagent_pool_start_retries_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def measure(services: dict[str, BenchService], *, rounds: int, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Per runtime (`services`' keys): the programs' total time per round, their code's own time, failures."""
+    """Per runtime (`services`' keys): the programs' total time per round, their code's own time, the
+    programs whose answer was wrong (each with what it was), and the crashes at start the pool retried."""
     chosen = programs()
     totals: dict[str, list[float]] = {name: [] for name in services}
     code_totals: dict[str, list[float]] = {name: [] for name in services}
     failures: dict[str, list[str]] = {name: [] for name in services}
+    retries_before = {name: start_retries(service) for name, service in services.items()}
     for index in range(rounds):
         order = list(services) if index % 2 == 0 else list(reversed(services))
         for runtime in order:
             total = code = 0.0
             for program in chosen:
-                elapsed_ms, code_ms = _run(services[runtime], program)
-                if elapsed_ms is None:
-                    failures[runtime].append(program.name)
+                answer = _run(services[runtime], program)
+                if isinstance(answer, str):
+                    failures[runtime].append(answer)
+                    progress(f"benign program failed under {runtime}: {answer}")
                     continue
+                elapsed_ms, code_ms = answer
                 total += elapsed_ms
                 code += code_ms
             totals[runtime].append(total)
@@ -79,4 +97,6 @@ def measure(services: dict[str, BenchService], *, rounds: int, progress: Callabl
         "total_ms": {name: Summary.of(values).as_dict() for name, values in totals.items()},
         "code_total_ms": {name: Summary.of(values).as_dict() for name, values in code_totals.items()},
         "failures": failures,
+        # Crashes at start that the pool absorbed (no program saw them): /metrics' counter over the run.
+        "start_retries": {name: start_retries(service) - retries_before[name] for name, service in services.items()},
     }

@@ -185,6 +185,10 @@ def render(results: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+def _count(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
 def runtimes_table(results: dict[str, Any]) -> str | None:
     """runsc beside runc, same run: the latency p50s, throughput at each runsc level, the benign programs."""
     rows = []
@@ -217,11 +221,12 @@ def runtimes_table(results: dict[str, Any]) -> str | None:
                 format_number(_ratio(runsc_total, runc_total), "x"),
             ]
         )
-        failed = {name: len(names) for name, names in benign["failures"].items() if names}
-        if failed:
-            rows.append(
-                ["benign programs with a wrong output", str(failed.get("runc", 0)), str(failed.get("runsc", 0)), ""]
-            )
+        counts = {
+            "benign programs with a wrong output": {name: len(names) for name, names in benign["failures"].items()},
+            "crashes at start the pool retried": benign.get("start_retries", {}),
+        }
+        for label, by_runtime in counts.items():
+            rows.append([label, *(_count(by_runtime.get(name)) for name in ("runc", "runsc")), ""])
     if not rows:
         return None
     return "Isolation runtimes: runsc (gVisor) beside runc\n" + table(

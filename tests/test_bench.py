@@ -6,6 +6,7 @@ No timing is asserted here: the benchmarks measure, `scripts/bench` runs them.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -98,7 +99,8 @@ def test_runsc_targets_are_ratios_against_node_and_against_runc_in_the_same_run(
             "programs": 29,
             "rounds": 2,
             "total_ms": {"runc": Summary.of([1000.0]).as_dict(), "runsc": Summary.of([1800.0]).as_dict()},
-            "failures": {"runc": [], "runsc": ["gate:zlib"]},
+            "failures": {"runc": [], "runsc": ["gate:zlib: HTTP 200 {...}"]},
+            "start_retries": {"runc": 0.0, "runsc": 3.0},
         },
         "throughput": {
             "duration_s": 8,
@@ -114,7 +116,9 @@ def test_runsc_targets_are_ratios_against_node_and_against_runc_in_the_same_run(
     assert "cold p50" in table
     assert "3.00x" in table  # cold: 900 / 300
     assert "0.50x" in table  # throughput at 4: 3 / 6
-    assert "benign programs with a wrong output" in table
+    rows = {cells[0]: cells[1:3] for cells in (re.split(r"\s{2,}", line) for line in table.splitlines())}
+    assert rows["benign programs with a wrong output"] == ["0", "1"]
+    assert rows["crashes at start the pool retried"] == ["0", "3"]
 
 
 def test_report_renders_a_partial_run_with_unmeasured_targets_marked() -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import TaskGroup
 
+from metaagent import metrics
 from metaagent.errors import Unavailable
 from metaagent.executions import new_execution_id
 from metaagent.sandbox.engine import ContainerSpec, Engine
@@ -87,10 +88,13 @@ class WarmPool:
         """A warm container for one execution, or None (the caller takes the cold path)."""
         while self._ready and not self.closed:
             warm = self._ready.popleft()
-            if warm.spec.image == image_tag and _still_waiting(warm):
+            waiting = _still_waiting(warm)
+            if warm.spec.image == image_tag and waiting:
                 self.served += 1
                 self._lent += 1
                 return warm
+            if not waiting:
+                metrics.pool_start_retry()
             self._discard(warm)  # an image rebuilt since, or a runner that died while it waited
             self._wake()
         return None
@@ -157,7 +161,8 @@ class WarmPool:
             except BaseException:  # cancelled (a shutdown) while the runner started: nobody else knows it
                 await self._remove(Warm(execution_id, spec, prepared))
                 raise
-            if not ready:
+            if not ready:  # a crash at start (no code was handed over): counted, and another is started
+                metrics.pool_start_retry()
                 await self._remove(Warm(execution_id, spec, prepared))
                 await self.engine.remove_runtime_leftovers([prepared.container_id])  # a failed start's
                 raise Unavailable(f"the runner did not start: {prepared.output.stderr.text()[:300]!r}")
