@@ -1,4 +1,4 @@
-"""`python -m bench` (or `scripts/bench`): every benchmark of issue 8 in one run on this machine.
+"""`python -m bench` (or `scripts/bench`): every benchmark of issues 8 and 17 in one run on this machine.
 
 Prints the tables and the targets, and writes everything (samples included) with the machine's
 description to bench/results/latest.json. `--quick` is a smoke run: the same code, few iterations.
@@ -175,8 +175,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # The issue-8 rows run runc, as before; the runsc rows beside them, same programs, same run.
         pooled = cold = pooled_runsc = cold_runsc = None
-        benign_runc = "benign" in only and "runc" in args.benign_runtimes
-        benign_runsc = "benign" in only and RUNSC.name in args.benign_runtimes
+        benign_problem = benign.unavailable() if "benign" in only else None
+        if benign_problem:
+            progress(f"no benign rows: {benign_problem}")
+        benign_runc = "benign" in only and not benign_problem and "runc" in args.benign_runtimes
+        benign_runsc = "benign" in only and not benign_problem and RUNSC.name in args.benign_runtimes
         if only & {"latency", "throughput", "http"} or benign_runc:
             progress("starting the service (warm pool on)")
             pooled = stack.enter_context(

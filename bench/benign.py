@@ -14,6 +14,7 @@ so the benchmark needs the dev environment (`scripts/bootstrap --dev`).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import time
 from collections.abc import Callable
@@ -30,6 +31,13 @@ class Program:
     code: str
     stdin: str | None
     stdout: str
+
+
+def unavailable() -> str | None:
+    """Why the programs cannot be loaded here (None when they can): they need the dev environment."""
+    if importlib.util.find_spec("pytest") is None:
+        return "the benign programs come from the tests, which need the dev environment (scripts/bootstrap --dev)"
+    return None
 
 
 def programs() -> list[Program]:
