@@ -24,6 +24,9 @@ from typing import Any
 from bench.service import BenchService
 from bench.stats import Summary
 
+# The warm pool's log lines of a runner that died before it was handed code (sandbox/pool.py).
+_RETRY_LOG = ("the runner did not start", "the runner ended while it waited")
+
 
 @dataclass(frozen=True)
 class Program:
@@ -107,4 +110,6 @@ def measure(services: dict[str, BenchService], *, rounds: int, progress: Callabl
         "failures": failures,
         # Crashes at start that the pool absorbed (no program saw them): /metrics' counter over the run.
         "start_retries": {name: start_retries(service) - retries_before[name] for name, service in services.items()},
+        # What the pool logged of each (how the runner ended, its stderr).
+        "start_retry_log": {name: service.log_lines(*_RETRY_LOG) for name, service in services.items()},
     }

@@ -95,6 +95,7 @@ class WarmPool:
                 return warm
             if not waiting:
                 metrics.pool_start_retry()
+                log.warning("warm container %s: the runner ended while it waited", warm.prepared.container_id[:12])
             self._discard(warm)  # an image rebuilt since, or a runner that died while it waited
             self._wake()
         return None
@@ -163,9 +164,10 @@ class WarmPool:
                 raise
             if not ready:  # a crash at start (no code was handed over): counted, and another is started
                 metrics.pool_start_retry()
+                how = await self._how_it_ended(prepared.container_id)
                 await self._remove(Warm(execution_id, spec, prepared))
                 await self.engine.remove_runtime_leftovers([prepared.container_id])  # a failed start's
-                raise Unavailable(f"the runner did not start: {prepared.output.stderr.text()[:300]!r}")
+                raise Unavailable(f"the runner did not start ({how}): {prepared.output.stderr.text()[:300]!r}")
         except Exception as exc:  # a background worker: whatever failed, back off and try again
             self._failures += 1
             self._retry_at = time.monotonic() + min(_MAX_BACKOFF_S, 0.25 * 2**self._failures)
@@ -177,6 +179,18 @@ class WarmPool:
             log.info("the warm pool is starting containers again")
         self._failures = 0
         return Warm(execution_id, spec, prepared)
+
+    async def _how_it_ended(self, container_id: str) -> str:
+        """A failed start's exit, for the log: the stream ends a moment before the engine reports the exit."""
+        try:
+            with anyio.move_on_after(5):
+                await self.engine.wait(container_id)
+            state = await self.engine.state(container_id)
+        except Unavailable:
+            return "the engine did not say how it ended"
+        if state.exit_code is None:
+            return "still starting at the start timeout"
+        return f"exit {state.exit_code}{', OOM-killed' if state.oom_killed else ''}"
 
     def _missing(self) -> int:
         return self.size - self.ready - self._starting - self._lent
