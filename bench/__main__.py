@@ -1,4 +1,4 @@
-"""`python -m bench` (or `scripts/bench`): every benchmark of issue 8 in one run on this machine.
+"""`python -m bench` (or `scripts/bench`): every benchmark of issues 8 and 17 in one run on this machine.
 
 Prints the tables and the targets, and writes everything (samples included) with the machine's
 description to bench/results/latest.json. `--quick` is a smoke run: the same code, few iterations.
@@ -18,15 +18,16 @@ from typing import Any
 
 import docker
 
-from bench import allowlist_rate, http_tool, latency, phases, throughput
+from bench import allowlist_rate, benign, http_tool, latency, phases, throughput
 from bench.baselines import BENCH_LABEL, DEFAULT_EPICBOX_VENV, Epicbox, ensure_epicbox_venv
 from bench.machine import REPO, describe, load_average, node_path
 from bench.report import render, targets
 from bench.service import BenchService
 from metaagent.sandbox.image import image_tag
+from metaagent.sandbox.runtime import RUNSC, registration_problem
 from metaagent.settings import Settings
 
-SECTIONS = ("allowlist", "http", "latency", "phases", "throughput")
+SECTIONS = ("allowlist", "benign", "http", "latency", "phases", "throughput")
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "latest.json"
 
 
@@ -50,6 +51,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-iterations", type=int, help="HTTP tool requests, and as many direct (default 300)")
     parser.add_argument("--allowlist-seconds", type=float, help="seconds per allow-list measurement (default 1)")
     parser.add_argument("--phase-iterations", type=int, help="pooled executions timed phase by phase (default 10)")
+    parser.add_argument("--benign-rounds", type=int, help="rounds of the benign programs per runtime (default 2)")
+    parser.add_argument(
+        "--benign-runtimes", type=_csv(str), default=["runc", "runsc"], help="runtimes of the benign rounds"
+    )
+    parser.add_argument(
+        "--runsc-concurrency", type=_csv(int), default=[4], help="throughput levels under runsc (default 4)"
+    )
+    parser.add_argument("--no-runsc", action="store_true", help="leave the runsc (gVisor) rows out")
     parser.add_argument("--no-epicbox", action="store_true", help="leave epicbox out of the latency table")
     parser.add_argument("--epicbox-venv", type=Path, default=DEFAULT_EPICBOX_VENV, help="epicbox's own venv")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where the JSON goes")
@@ -65,6 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("http_iterations", 300, 30),
         ("allowlist_seconds", 1.0, 0.2),
         ("phase_iterations", 10, 3),
+        ("benign_rounds", 2, 1),
     ]:
         if getattr(args, name) is None:
             setattr(args, name, smoke if quick else full)
@@ -81,7 +91,9 @@ def _remove_bench_containers(client: docker.DockerClient) -> None:
         container.remove(force=True)
 
 
-def _throughput(pooled: BenchService, image: str, cpus: float, args: argparse.Namespace) -> dict[str, Any]:
+def _throughput(
+    pooled: BenchService, pooled_runsc: BenchService | None, image: str, cpus: float, args: argparse.Namespace
+) -> dict[str, Any]:
     levels = []
     for concurrency in args.concurrency:
         pooled.wait_pool_full()
@@ -98,7 +110,31 @@ def _throughput(pooled: BenchService, image: str, cpus: float, args: argparse.Na
             }
         )
         progress(f"throughput at {concurrency}: service {service.per_second:.2f}/s, docker run {loop.per_second:.2f}/s")
-    return {"duration_s": args.duration, "levels": levels}
+    runsc_levels = []
+    for concurrency in args.runsc_concurrency if pooled_runsc is not None else []:
+        assert pooled_runsc is not None
+        pooled_runsc.wait_pool_full()
+        before = set(pooled_runsc.container_paths())
+        service = throughput.service(pooled_runsc.base_url, concurrency, args.duration)
+        paths = [path for execution_id, path in pooled_runsc.container_paths().items() if execution_id not in before]
+        runsc_levels.append(
+            {
+                "concurrency": concurrency,
+                "service": {**service.as_dict(), "warm": paths.count("warm"), "cold": paths.count("cold")},
+            }
+        )
+        progress(f"throughput at {concurrency} under runsc: service {service.per_second:.2f}/s")
+    return {"duration_s": args.duration, "levels": levels, "runsc_levels": runsc_levels}
+
+
+def _runsc_usable(client: docker.DockerClient) -> str | None:
+    """None when the engine can run runsc containers as the service needs; otherwise why not."""
+    runtimes = {
+        name: [str(arg) for arg in (entry or {}).get("runtimeArgs") or []]
+        for name, entry in (client.info().get("Runtimes") or {}).items()
+    }
+    problem = registration_problem(runtimes)
+    return None if problem is None else f"runsc {problem}"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,7 +155,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "http_iterations": args.http_iterations,
         "allowlist_seconds": args.allowlist_seconds,
         "phase_iterations": args.phase_iterations,
+        "benign_rounds": args.benign_rounds,
+        "benign_runtimes": args.benign_runtimes,
+        "runsc_concurrency": args.runsc_concurrency,
     }
+    runsc_problem = "--no-runsc" if args.no_runsc else _runsc_usable(client)
+    results["config"]["runsc"] = runsc_problem or "measured"
+    if runsc_problem:
+        progress(f"no runsc rows: {runsc_problem}")
     with ExitStack() as stack:
         stack.callback(client.close)
         stack.callback(_remove_bench_containers, client)
@@ -130,17 +173,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "allowlist" in only:
             results["allowlist"] = allowlist_rate.measure(seconds=args.allowlist_seconds, progress=progress)
 
-        pooled = cold = None
-        if only & {"latency", "throughput", "http"}:
+        # The issue-8 rows run runc, as before; the runsc rows beside them, same programs, same run.
+        pooled = cold = pooled_runsc = cold_runsc = None
+        benign_problem = benign.unavailable() if "benign" in only else None
+        if benign_problem:
+            progress(f"no benign rows: {benign_problem}")
+        benign_runc = "benign" in only and not benign_problem and "runc" in args.benign_runtimes
+        benign_runsc = "benign" in only and not benign_problem and RUNSC.name in args.benign_runtimes
+        if only & {"latency", "throughput", "http"} or benign_runc:
             progress("starting the service (warm pool on)")
             pooled = stack.enter_context(
-                BenchService("pooled", METAAGENT_EXECUTION_QUEUE_SIZE="64", ALLOW_HTTP_HOSTS='["127.0.0.1"]')
+                BenchService(
+                    "pooled",
+                    METAAGENT_EXECUTION_QUEUE_SIZE="64",
+                    ALLOW_HTTP_HOSTS='["127.0.0.1"]',
+                    METAAGENT_SANDBOX_RUNTIME="runc",
+                )
             )
             pooled.wait_pool_full()
             results["config"]["pool_size"] = pooled.warm_pool()["size"]
         if "latency" in only:
             progress("starting the service (warm pool off)")
-            cold = stack.enter_context(BenchService("cold", METAAGENT_POOL_ENABLED="false"))
+            cold = stack.enter_context(
+                BenchService("cold", METAAGENT_POOL_ENABLED="false", METAAGENT_SANDBOX_RUNTIME="runc")
+            )
+        if not runsc_problem and (only & {"latency", "throughput"} or benign_runsc):
+            progress("starting the service under runsc (warm pool on)")
+            pooled_runsc = stack.enter_context(
+                BenchService("pooled-runsc", METAAGENT_EXECUTION_QUEUE_SIZE="64", METAAGENT_SANDBOX_RUNTIME=RUNSC.name)
+            )
+            pooled_runsc.wait_pool_full()
+        if not runsc_problem and "latency" in only:
+            progress("starting the service under runsc (warm pool off)")
+            cold_runsc = stack.enter_context(
+                BenchService("cold-runsc", METAAGENT_POOL_ENABLED="false", METAAGENT_SANDBOX_RUNTIME=RUNSC.name)
+            )
 
         if "http" in only and pooled is not None:
             results["http_tool"] = http_tool.measure(
@@ -162,7 +229,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rounds=args.rounds,
                 warmup=args.warmup,
                 progress=progress,
+                pooled_runsc=pooled_runsc,
+                cold_runsc=cold_runsc,
             )
+
+        services = {
+            name: service
+            for name, service, wanted in (("runc", pooled, benign_runc), (RUNSC.name, pooled_runsc, benign_runsc))
+            if service is not None and wanted
+        }
+        if services:
+            results["benign"] = benign.measure(services, rounds=args.benign_rounds, progress=progress)
 
         if "phases" in only:
             results["phases"] = phases.measure(
@@ -170,7 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
 
         if "throughput" in only and pooled is not None:
-            results["throughput"] = _throughput(pooled, image, cpus, args)
+            results["throughput"] = _throughput(pooled, pooled_runsc, image, cpus, args)
 
     results["machine"]["load_average_end"] = load_average()
     results["targets"] = [target.as_dict() for target in targets(results)]

@@ -18,6 +18,8 @@ from bench.stats import Summary
 
 POOLED = "service, warm pool"
 COLD = "service, pool off"
+POOLED_RUNSC = "service, warm pool, runsc"
+COLD_RUNSC = "service, pool off, runsc"
 NODE = "node -e (host)"
 DOCKER_RUN = "docker run --rm"
 EPICBOX = "epicbox"
@@ -71,9 +73,15 @@ def measure(
     rounds: int,
     warmup: int,
     progress: Callable[[str], None],
+    pooled_runsc: BenchService | None = None,
+    cold_runsc: BenchService | None = None,
 ) -> dict[str, Any]:
-    pooled_timer = ServiceTimer(pooled, wait_for_pool=True) if pooled else None
-    cold_timer = ServiceTimer(cold, wait_for_pool=False) if cold else None
+    """`pooled` and `cold` run runc; `pooled_runsc` and `cold_runsc`, when given, the same under runsc."""
+    timers = {
+        name: ServiceTimer(service, wait_for_pool=name in (POOLED, POOLED_RUNSC))
+        for name, service in ((POOLED, pooled), (COLD, cold), (POOLED_RUNSC, pooled_runsc), (COLD_RUNSC, cold_runsc))
+        if service is not None
+    }
     contenders: dict[str, Callable[[], float]] = {
         NODE: lambda: time_process(node_argv(node)),
         DOCKER_RUN: lambda: time_process(docker_run_argv(image, cpus)),
@@ -81,19 +89,15 @@ def measure(
     if epicbox is not None:
         contenders[EPICBOX] = epicbox.run
         contenders[EPICBOX_CAPPED] = lambda: epicbox.run(capped=True)
-    if pooled_timer is not None:
-        contenders[POOLED] = pooled_timer
-    if cold_timer is not None:
-        contenders[COLD] = cold_timer
+    contenders.update(timers)
 
     rng = random.Random(1)  # fixed: two runs shuffle alike
     order = list(contenders)
     for _ in range(warmup):
         for name in order:
             contenders[name]()
-    for timer in (pooled_timer, cold_timer):
-        if timer is not None:
-            timer.forget()
+    for timer in timers.values():
+        timer.forget()
 
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     for index in range(rounds):
@@ -110,9 +114,9 @@ def measure(
         "summaries": {name: Summary.of(values).as_dict() for name, values in samples.items()},
         "samples_ms": samples,
     }
-    for key, name, timer in (("pooled", POOLED, pooled_timer), ("cold", COLD, cold_timer)):
-        if timer is None:
-            continue
+    keys = {POOLED: "pooled", COLD: "cold", POOLED_RUNSC: "pooled_runsc", COLD_RUNSC: "cold_runsc"}
+    for name, timer in timers.items():
+        key = keys[name]
         result[f"{key}_paths"] = timer.paths()
         # The response's duration_ms runs from the code's hand-over to the container's exit; the rest of
         # each request is the service's own part: HTTP, admission, (cold) the start, inspect, remove, audit.

@@ -29,6 +29,7 @@ from metaagent.executions import Execution, new_execution_id
 from metaagent.sandbox import execute as execute_module
 from metaagent.sandbox.engine import ContainerSpec, ContainerState, Engine, sock_recv
 from metaagent.sandbox.execute import Prepared, execute, payload, prepare, wait_ready
+from metaagent.sandbox.runtime import RUNC, Runtime
 from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB, container_spec
 
 EXECUTE = "execute (the request's engine part)"
@@ -135,9 +136,11 @@ def container_cpu_ms(container_id: str) -> float | None:
     return None
 
 
-async def _plain_node(engine: TimedEngine, image: str, cpus: float) -> tuple[float, float | None]:
+async def _plain_node(engine: TimedEngine, image: str, cpus: float, runtime: Runtime) -> tuple[float, float | None]:
     """Wall time from create to a bare `node -e` having printed, and its CPU time then: the runner's baseline."""
-    spec = container_spec(new_execution_id(), image, DEFAULT_MEMORY_MB, cpus, command=list(_PLAIN_NODE))
+    spec = container_spec(
+        new_execution_id(), image, DEFAULT_MEMORY_MB, cpus, command=list(_PLAIN_NODE), runtime=runtime
+    )
     started = time.perf_counter()
     prepared = await prepare(engine, spec, start=True, ready_marker=b"")
     try:
@@ -150,9 +153,11 @@ async def _plain_node(engine: TimedEngine, image: str, cpus: float) -> tuple[flo
         await engine.remove(prepared.container_id)
 
 
-async def _warm_container(engine: TimedEngine, image: str, cpus: float) -> tuple[str, ContainerSpec, Prepared]:
+async def _warm_container(
+    engine: TimedEngine, image: str, cpus: float, runtime: Runtime
+) -> tuple[str, ContainerSpec, Prepared]:
     execution_id = new_execution_id()
-    spec = container_spec(execution_id, image, DEFAULT_MEMORY_MB, cpus)
+    spec = container_spec(execution_id, image, DEFAULT_MEMORY_MB, cpus, runtime=runtime)
     prepared = await prepare(engine, spec, start=True)
     if not await wait_ready(prepared):
         prepared.sock.close()
@@ -161,11 +166,13 @@ async def _warm_container(engine: TimedEngine, image: str, cpus: float) -> tuple
     return execution_id, spec, prepared
 
 
-async def _one(engine: TimedEngine, clock: StreamClock, image: str, cpus: float, *, refill: bool) -> dict[str, float]:
+async def _one(
+    engine: TimedEngine, clock: StreamClock, image: str, cpus: float, runtime: Runtime, *, refill: bool
+) -> dict[str, float]:
     """One pooled execution; with `refill`, another warm container starts meanwhile, as the pool does."""
     engine.calls.clear()
     started = time.perf_counter()
-    execution_id, spec, prepared = await _warm_container(engine, image, cpus)
+    execution_id, spec, prepared = await _warm_container(engine, image, cpus, runtime)
     warm_ms = (time.perf_counter() - started) * 1000
     start_calls = {name: engine.calls[name][0] for name in ("create", "attach", "start")}
     warm_cpu_ms = container_cpu_ms(prepared.container_id)
@@ -177,7 +184,7 @@ async def _one(engine: TimedEngine, clock: StreamClock, image: str, cpus: float,
         if refill:
 
             async def start_another() -> None:
-                refilled.append((await _warm_container(engine, image, cpus))[2])
+                refilled.append((await _warm_container(engine, image, cpus, runtime))[2])
 
             group.start_soon(start_another)
         started = time.perf_counter()
@@ -207,16 +214,16 @@ async def _one(engine: TimedEngine, clock: StreamClock, image: str, cpus: float,
     }
 
 
-async def _measure(image: str, cpus: float, iterations: int, warmup: int) -> dict[str, list[float]]:
+async def _measure(image: str, cpus: float, iterations: int, warmup: int, runtime: Runtime) -> dict[str, list[float]]:
     engine = TimedEngine()
     clock = StreamClock()
     phases: dict[str, list[float]] = defaultdict(list)
     clock.install()
     try:
         for index in range(warmup + iterations):
-            quiet = await _one(engine, clock, image, cpus, refill=False)
-            busy = await _one(engine, clock, image, cpus, refill=True)
-            plain_ms, plain_cpu_ms = await _plain_node(engine, image, cpus)
+            quiet = await _one(engine, clock, image, cpus, runtime, refill=False)
+            busy = await _one(engine, clock, image, cpus, runtime, refill=True)
+            plain_ms, plain_cpu_ms = await _plain_node(engine, image, cpus, runtime)
             if index < warmup:
                 continue
             phases["warm start (pool, off the request path)"].append(quiet["warm_ms"])
@@ -244,10 +251,16 @@ async def _measure(image: str, cpus: float, iterations: int, warmup: int) -> dic
 
 
 def measure(
-    *, image: str, cpus: float, iterations: int, warmup: int, progress: Callable[[str], None]
+    *,
+    image: str,
+    cpus: float,
+    iterations: int,
+    warmup: int,
+    progress: Callable[[str], None],
+    runtime: Runtime = RUNC,
 ) -> dict[str, Any]:
-    phases = anyio.run(_measure, image, cpus, iterations, warmup)
-    progress(f"phases: {iterations} pooled executions, and as many while a refill starts")
+    phases = anyio.run(_measure, image, cpus, iterations, warmup, runtime)
+    progress(f"phases ({runtime.name}): {iterations} pooled executions, and as many while a refill starts")
     return {
         "iterations": iterations,
         "phases_ms": {name: Summary.of(values).as_dict() for name, values in phases.items()},

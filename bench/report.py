@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from bench.latency import COLD, DOCKER_RUN, EPICBOX, NODE, POOLED
+from bench.latency import COLD, COLD_RUNSC, DOCKER_RUN, EPICBOX, NODE, POOLED, POOLED_RUNSC
 from bench.stats import Target, format_number, ratio
 
 
@@ -25,6 +25,25 @@ def _throughput_ratio(results: dict[str, Any], concurrency: int) -> float | None
     return None
 
 
+def _runsc_throughput(results: dict[str, Any], concurrency: int) -> tuple[float | None, float | None]:
+    """(runsc's executions/s, runc's) at one concurrency, where both were measured."""
+    found = results.get("throughput", {})
+    runc = next(
+        (lv["service"]["per_second"] for lv in found.get("levels", []) if lv["concurrency"] == concurrency), None
+    )
+    runsc = next(
+        (lv["service"]["per_second"] for lv in found.get("runsc_levels", []) if lv["concurrency"] == concurrency), None
+    )
+    return runsc, runc
+
+
+def _benign_ratio(results: dict[str, Any]) -> float | None:
+    totals = results.get("benign", {}).get("total_ms", {})
+    if "runsc" not in totals or "runc" not in totals:
+        return None
+    return ratio(totals["runsc"]["p50"], totals["runc"]["p50"])
+
+
 def targets(results: dict[str, Any]) -> list[Target]:
     pooled, cold = _p50(results, POOLED), _p50(results, COLD)
     http = results.get("http_tool")
@@ -42,6 +61,10 @@ def targets(results: dict[str, Any]) -> list[Target]:
             500_000,
             "/s",
         ),
+        Target(
+            "runsc: pooled p50 / node -e p50", _ratio(_p50(results, POOLED_RUNSC), _p50(results, NODE)), "<=", 1.5, "x"
+        ),
+        Target("runsc: benign programs' total / under runc", _benign_ratio(results), "<=", 2.0, "x"),
     ]
 
 
@@ -112,6 +135,9 @@ def render(results: dict[str, Any]) -> str:
             f"Throughput, executions/s over {throughput['duration_s']:g} s per level (service: warm pool on)\n"
             + table(["concurrency", "service", "errors/429", "warm/cold", "docker run loop", "errors", "ratio"], rows)
         )
+    runtimes = runtimes_table(results)
+    if runtimes:
+        parts.append(runtimes)
     http = results.get("http_tool")
     if http:
         rows = [
@@ -155,5 +181,54 @@ def render(results: dict[str, Any]) -> str:
         [t.name, format_number(t.measured, t.unit), f"{t.comparison} {format_number(t.bound, t.unit)}", t.verdict]
         for t in targets(results)
     ]
-    parts.append("Targets (issue 8)\n" + table(["target", "measured", "target", "verdict"], rows))
+    parts.append("Targets (issues 8 and 17)\n" + table(["target", "measured", "target", "verdict"], rows))
     return "\n\n".join(parts)
+
+
+def _count(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+def runtimes_table(results: dict[str, Any]) -> str | None:
+    """runsc beside runc, same run: the latency p50s, throughput at each runsc level, the benign programs."""
+    rows = []
+    for label, runc_name, runsc_name in (("pooled p50", POOLED, POOLED_RUNSC), ("cold p50", COLD, COLD_RUNSC)):
+        runc, runsc = _p50(results, runc_name), _p50(results, runsc_name)
+        if runsc is not None:
+            rows.append(
+                [label, format_number(runc, "ms"), format_number(runsc, "ms"), format_number(_ratio(runsc, runc), "x")]
+            )
+    for level in results.get("throughput", {}).get("runsc_levels", []):
+        runsc, runc = _runsc_throughput(results, level["concurrency"])
+        rows.append(
+            [
+                f"throughput at {level['concurrency']}",
+                format_number(runc, "/s"),
+                format_number(runsc, "/s"),
+                format_number(_ratio(runsc, runc), "x"),
+            ]
+        )
+    benign = results.get("benign")
+    if benign:
+        totals = benign["total_ms"]
+        runc_total = totals.get("runc", {}).get("p50")
+        runsc_total = totals.get("runsc", {}).get("p50")
+        rows.append(
+            [
+                f"benign programs ({benign['programs']}), total p50 of {benign['rounds']} rounds",
+                format_number(runc_total, "ms"),
+                format_number(runsc_total, "ms"),
+                format_number(_ratio(runsc_total, runc_total), "x"),
+            ]
+        )
+        counts = {
+            "benign programs with a wrong output": {name: len(names) for name, names in benign["failures"].items()},
+            "crashes at start the pool retried": benign.get("start_retries", {}),
+        }
+        for label, by_runtime in counts.items():
+            rows.append([label, *(_count(by_runtime.get(name)) for name in ("runc", "runsc")), ""])
+    if not rows:
+        return None
+    return "Isolation runtimes: runsc (gVisor) beside runc\n" + table(
+        ["measure", "runc", "runsc", "runsc / runc"], rows
+    )

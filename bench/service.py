@@ -104,6 +104,14 @@ class BenchService:
         except OSError:
             return ""
 
+    def log_lines(self, *containing: str) -> list[str]:
+        """The lines of the service's log that contain any of `containing`."""
+        try:
+            text = (self.workdir / "service.log").read_text(errors="replace")
+        except OSError:
+            return []
+        return [line for line in text.splitlines() if any(part in line for part in containing)]
+
     def health(self) -> dict[str, Any]:
         body: dict[str, Any] = self.client.get("/health").json()
         return body

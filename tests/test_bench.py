@@ -6,13 +6,14 @@ No timing is asserted here: the benchmarks measure, `scripts/bench` runs them.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
 from bench.__main__ import finite, parse_args
 from bench.baselines import docker_run_argv
-from bench.latency import COLD, DOCKER_RUN, EPICBOX, NODE, POOLED
-from bench.report import render, targets
+from bench.latency import COLD, COLD_RUNSC, DOCKER_RUN, EPICBOX, NODE, POOLED, POOLED_RUNSC
+from bench.report import render, runtimes_table, targets
 from bench.stats import Summary, Target, format_number, percentile, ratio
 
 
@@ -85,7 +86,39 @@ def test_targets_are_the_issues_ratios_of_one_runs_figures() -> None:
         "throughput at 4: service / docker run loop": (2.0, "pass"),
         "HTTP tool added latency at p50": (2.5, "miss"),
         "allow-list decisions/s, 1,000 patterns (mix)": (400_000.0, "miss"),
+        "runsc: pooled p50 / node -e p50": (None, "n/a"),
+        "runsc: benign programs' total / under runc": (None, "n/a"),
     }
+
+
+def test_runsc_targets_are_ratios_against_node_and_against_runc_in_the_same_run() -> None:
+    results = {
+        "machine": {},
+        "latency": _latency({NODE: 100.0, POOLED: 90.0, POOLED_RUNSC: 160.0, COLD: 300.0, COLD_RUNSC: 900.0}),
+        "benign": {
+            "programs": 29,
+            "rounds": 2,
+            "total_ms": {"runc": Summary.of([1000.0]).as_dict(), "runsc": Summary.of([1800.0]).as_dict()},
+            "failures": {"runc": [], "runsc": ["gate:zlib: HTTP 200 {...}"]},
+            "start_retries": {"runc": 0.0, "runsc": 3.0},
+        },
+        "throughput": {
+            "duration_s": 8,
+            "levels": [{"concurrency": 4, "service": {"per_second": 6.0}, "docker_run": {"per_second": 3.0}}],
+            "runsc_levels": [{"concurrency": 4, "service": {"per_second": 3.0}}],
+        },
+    }
+    found = {t.name: (t.measured, t.verdict) for t in targets(results)}
+    assert found["runsc: pooled p50 / node -e p50"] == (1.6, "miss")
+    assert found["runsc: benign programs' total / under runc"] == (1.8, "pass")
+    table = runtimes_table(results)
+    assert table is not None
+    assert "cold p50" in table
+    assert "3.00x" in table  # cold: 900 / 300
+    assert "0.50x" in table  # throughput at 4: 3 / 6
+    rows = {cells[0]: cells[1:3] for cells in (re.split(r"\s{2,}", line) for line in table.splitlines())}
+    assert rows["benign programs with a wrong output"] == ["0", "1"]
+    assert rows["crashes at start the pool retried"] == ["0", "3"]
 
 
 def test_report_renders_a_partial_run_with_unmeasured_targets_marked() -> None:

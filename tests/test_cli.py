@@ -39,7 +39,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(tmp_path: Path, **env: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+def serving(tmp_path: Path, start_timeout_s: float = 30, **env: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     port = free_port()
     process = subprocess.Popen(
         [*METAAGENT, "serve", "--port", str(port)],
@@ -50,7 +50,7 @@ def serving(tmp_path: Path, **env: str) -> Iterator[tuple[str, subprocess.Popen[
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
             try:
                 httpx2.get(f"{base}/health", timeout=1)

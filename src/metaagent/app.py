@@ -26,6 +26,7 @@ from metaagent.mcp_server import SessionLimits, build_server, mount_mcp
 from metaagent.packages.install import check_registry
 from metaagent.packages.policy import PackagePolicy
 from metaagent.sandbox.network import read_extra_ca_certs
+from metaagent.sandbox.runtime import RuntimeChoice
 from metaagent.services import Configuration, running_services
 from metaagent.settings import MIB, Settings
 
@@ -39,6 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         allowlist=AllowList.parse(settings.allow_http_hosts),
         package_policy=PackagePolicy.parse(settings.npm_allowed_packages),
         extra_ca_pem=read_extra_ca_certs(settings.sandbox_extra_ca_certs),
+        runtime=RuntimeChoice.parse(settings.sandbox_runtime),
     )
     keys = KeyRing.from_settings(settings)  # read once; only their hashes are kept
     check_registry(settings.npm_registry)
@@ -58,6 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     install_error_handlers(app)
     app.state.keys = keys
+    app.state.configuration = config
     security = transport_security(settings.allowed_hosts)  # one setting: every route and /mcp alike
     # Outermost last: the Host and Origin check runs first (421/403 before anything else), then the key
     # check, so a caller without a key gets a 401 before any body is read.

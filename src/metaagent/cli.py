@@ -73,15 +73,21 @@ def _fail(message: str, code: int = CONFIG_ERROR) -> typer.Exit:
 
 def _service_app() -> FastAPI:
     """The service app from the environment's settings, with logging set up; exit 2 on a bad configuration."""
+    import anyio
+
     from metaagent import logs
     from metaagent.app import create_app
+    from metaagent.services import settle_runtime
 
     settings = Settings()
     logs.configure(settings.log_format)
     try:
-        return create_app(settings)
+        service = create_app(settings)
+        # An explicit METAAGENT_SANDBOX_RUNTIME=runsc is tested before the port opens: exit 2 if it cannot work.
+        anyio.run(settle_runtime, service.state.configuration)
     except ConfigError as exc:
         raise _fail(f"metaagent: refusing to start: {exc}") from None
+    return service
 
 
 @app.command()
@@ -116,10 +122,15 @@ def run(
     from metaagent.executions import ExecutionRegistry
     from metaagent.sandbox.engine import Engine
     from metaagent.sandbox.provision import SandboxImage
+    from metaagent.sandbox.runtime import RuntimeChoice
     from metaagent.tools.code_interpreter import CodeInterpreter, CodeInterpreterRequest
 
     settings = Settings()
     stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
+    try:
+        runtime = RuntimeChoice.parse(settings.sandbox_runtime)
+    except ConfigError as exc:
+        raise _fail(f"metaagent: {exc}") from None
     try:
         code = file.read_text(encoding="utf-8")
         request = CodeInterpreterRequest(code=code, timeout_s=timeout, memory_mb=memory, stdin=stdin)
@@ -144,6 +155,7 @@ def run(
             queue_size=0,
             cpus=settings.sandbox_cpus,
             grace_s=settings.kill_grace_s,
+            runtime=runtime,
         )
         try:
             await image.refresh(build=settings.sandbox_build_on_start)
@@ -191,6 +203,8 @@ def run(
 
     try:
         status = anyio.run(until_stopped)
+    except ConfigError as exc:  # an explicit runsc that cannot work
+        raise _fail(f"metaagent: {exc}") from None
     except MetaAgentError as exc:
         terminal.say(exc.message)
         raise typer.Exit(1) from None

@@ -7,6 +7,8 @@
     metaagent_executions_running                 executions holding a slot now
     metaagent_executions_queued                  executions waiting for a slot now
     metaagent_pool_containers                    warm containers ready in the pool
+    metaagent_pool_start_retries_total           warm containers whose runner died before any code was
+                                                 handed over (a crash at start); the pool starts another
     metaagent_egress_blocked_total{tool}         outbound requests the egress guard refused
     metaagent_engine_errors_total                container engine calls that failed (engine down, refused)
     metaagent_tunnel_operations_total{phase}     the service's work for sandbox tunnels: accept (connections
@@ -59,6 +61,10 @@ EXECUTION_DURATION = Histogram(
 RUNNING = Gauge("metaagent_executions_running", "Executions holding a slot now")
 QUEUED = Gauge("metaagent_executions_queued", "Executions waiting for a slot now")
 POOL_CONTAINERS = Gauge("metaagent_pool_containers", "Warm sandbox containers ready in the pool")
+POOL_START_RETRIES = Counter(
+    "metaagent_pool_start_retries",
+    "Warm containers whose runner died before any code was handed over; the pool started another",
+)
 EGRESS_BLOCKED = Counter("metaagent_egress_blocked", "Outbound requests refused by the egress guard", ["tool"])
 ENGINE_ERRORS = Counter("metaagent_engine_errors", "Container engine calls that failed")
 TUNNEL_OPERATIONS = Counter(
@@ -99,6 +105,10 @@ def watch_admission(admission: _Admission) -> None:
 def watch_pool(pool: _Pool) -> None:
     """The pool gauge reads this pool when scraped."""
     POOL_CONTAINERS.set_function(lambda: pool.ready)
+
+
+def pool_start_retry() -> None:
+    POOL_START_RETRIES.inc()
 
 
 def egress_blocked(tool: str) -> None:

@@ -26,11 +26,11 @@ from metaagent.packages.policy import PackagePolicy
 from metaagent.packages.store import PackageStore, package_store
 from metaagent.sandbox.engine import Engine, EngineUnavailable
 from metaagent.sandbox.network import NetworkLimits, SandboxNetwork
-from metaagent.sandbox.pool import WarmPool
 from metaagent.sandbox.provision import SandboxImage
+from metaagent.sandbox.runtime import RuntimeChoice, settle
 from metaagent.sessions.service import SessionLimits, Sessions
 from metaagent.settings import MIB, Settings
-from metaagent.tools.code_interpreter import CodeInterpreter
+from metaagent.tools.code_interpreter import CodeInterpreter, probe_spec
 from metaagent.tools.embeddings import EmbeddingsTool
 from metaagent.tools.http import HttpTool
 from metaagent.tools.search import SearchTool
@@ -51,6 +51,7 @@ class Configuration:
     allowlist: AllowList
     package_policy: PackagePolicy
     extra_ca_pem: bytes
+    runtime: RuntimeChoice
 
 
 @dataclass
@@ -85,6 +86,25 @@ class Services:
             await self.executions.wait_empty()
 
 
+async def settle_runtime(config: Configuration, engine: Engine | None = None) -> None:
+    """With METAAGENT_SANDBOX_RUNTIME=runsc, tests runsc before anything serves (building the image
+    first if it must): ConfigError, and no service, when it cannot work. Nothing to do for runc and auto,
+    whose choice is made in the background and never refuses to start."""
+    if config.runtime.setting != "runsc" or config.runtime.runtime is not None:
+        return
+    settings = config.settings
+    own_engine = engine is None
+    engine = engine or Engine()
+    try:
+        image = SandboxImage(engine, tag=settings.sandbox_image, cache_dir=settings.sandbox_cache_dir)
+        await settle(
+            config.runtime, engine, image, probe_spec(settings.sandbox_cpus), build=settings.sandbox_build_on_start
+        )
+    finally:
+        if own_engine:
+            engine.close()
+
+
 @asynccontextmanager
 async def running_services(config: Configuration) -> AsyncIterator[Services]:
     settings = config.settings
@@ -111,6 +131,7 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         max_redirects=settings.http_max_redirects,
     )
     engine = Engine()
+    await settle_runtime(config, engine)
     image = SandboxImage(engine, tag=settings.sandbox_image, cache_dir=settings.sandbox_cache_dir)
     executions = ExecutionRegistry()
     for entry in config.package_policy.blocked_entries:
@@ -126,6 +147,7 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         queue_size=settings.execution_queue_size,
         cpus=settings.sandbox_cpus,
         grace_s=settings.kill_grace_s,
+        runtime=config.runtime,
         pool_size=settings.effective_pool_size(cpu_count),
         packages=packages,
         network=SandboxNetwork(
@@ -175,7 +197,7 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         sessions,
     )
     async with anyio.create_task_group() as background:
-        background.start_soon(_prepare_sandbox, engine, image, interpreter.pool, settings.sandbox_build_on_start)
+        background.start_soon(_prepare_sandbox, interpreter, settings.sandbox_build_on_start)
         background.start_soon(sessions.run)
         try:
             yield services
@@ -184,6 +206,8 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
             with anyio.move_on_after(30):
                 await interpreter.pool.stopped.wait()
             await _remove_package_volumes(packages)
+            with anyio.move_on_after(30):  # what failed runsc starts may have left, which the engine forgot
+                await engine.remove_runtime_leftovers()
             await http.aclose()
             await search.aclose()
             await embeddings.aclose()
@@ -193,8 +217,10 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
             background.cancel_scope.cancel()
 
 
-async def _prepare_sandbox(engine: Engine, image: SandboxImage, pool: WarmPool, build: bool) -> None:
-    """Removes what a dead service left, makes sure of the image, then keeps the warm pool filled."""
+async def _prepare_sandbox(interpreter: CodeInterpreter, build: bool) -> None:
+    """Removes what a dead service left, makes sure of the image, chooses the runtime (its self-test),
+    then keeps the warm pool filled."""
+    engine, image = interpreter.engine, interpreter.image
     try:
         removed = await engine.remove_orphans()
     except EngineUnavailable as exc:
@@ -202,8 +228,14 @@ async def _prepare_sandbox(engine: Engine, image: SandboxImage, pool: WarmPool, 
     else:
         if removed:
             log.warning("removed %d container(s) or volume(s) of a service that stopped without cleaning up", removed)
-        await image.refresh(build=build)
-    await pool.run()
+        try:
+            await interpreter.runtime.check_registration(engine)  # runc at once when runsc cannot work
+            await image.refresh(build=build)
+            if image.image_id is not None:
+                await interpreter.runtime_in_force(image.tag)
+        except EngineUnavailable as exc:  # chosen on the next execution instead
+            log.warning("%s", exc.message)
+    await interpreter.pool.run()
 
 
 async def _remove_package_volumes(packages: PackageStore) -> None:

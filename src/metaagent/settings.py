@@ -69,6 +69,8 @@ class Settings(BaseSettings):
     sandbox_cache_dir: Path = Path("/var/cache/metaagent")
     sandbox_build_on_start: bool = True
     sandbox_cpus: float = Field(default=0.5, gt=0, le=8)
+    # The isolation runtime: runc, runsc (gVisor) or auto; metaagent.sandbox.runtime checks the value.
+    sandbox_runtime: str = "auto"
     max_concurrent_executions: int | None = Field(default=None, ge=1)
     execution_queue_size: int = Field(default=32, ge=0)
     kill_grace_s: float = Field(default=5.0, ge=0, le=60)

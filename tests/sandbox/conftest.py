@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -15,9 +16,13 @@ import docker
 import httpx2
 import pytest
 
+from metaagent.sandbox.runtime import RUNC, RUNSC, Runtime
 from tests.test_cli import METAAGENT, clean_env, free_port
 
 HOST_SECRET = "sk-host-secret-that-must-never-reach-a-sandbox"
+# The isolation runtime of the services these tests start: unset, the service's default (auto). CI runs
+# the whole suite so, then the hostile and benign programs again with the other runtime (scripts/test).
+RUNTIME_UNDER_TEST = os.environ.get("METAAGENT_TEST_SANDBOX_RUNTIME")
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ def running_service(workdir: Path, **env: str) -> Iterator[Service]:
         "OPENAI_API_KEY": HOST_SECRET,
         "SERPER_API_KEY": HOST_SECRET,
         "METAAGENT_TEST_SECRET": HOST_SECRET,
+        **({"METAAGENT_SANDBOX_RUNTIME": RUNTIME_UNDER_TEST} if RUNTIME_UNDER_TEST else {}),
     }
     environment = clean_env(workdir, **{**defaults, **env})
     with stderr_path.open("w") as stderr:
@@ -73,8 +79,9 @@ def running_service(workdir: Path, **env: str) -> Iterator[Service]:
             assert process.poll() is None, stderr_path.read_text()
             assert time.monotonic() < deadline, "the sandbox image was not ready within 300 s"
             try:
-                health = service.get("/health").json()
-                if health["checks"]["sandbox_image"]["ok"]:
+                checks = service.get("/health").json()["checks"]
+                # Ready once the image is there and the runtime chosen (auto's self-test has run).
+                if checks["sandbox_image"]["ok"] and checks["container_engine"]["runtime"]:
                     break
             except httpx2.TransportError:
                 pass
@@ -98,6 +105,18 @@ def cold_service(tmp_path_factory: pytest.TempPathFactory, docker_client: docker
     """The service with the warm pool off: every execution creates its container on the request path."""
     with running_service(tmp_path_factory.mktemp("cold-service"), METAAGENT_POOL_ENABLED="false") as service:
         yield service
+
+
+def runtime_of(service: Service) -> Runtime:
+    """The isolation runtime in force in a running service, as its /health names it."""
+    name = service.get("/health").json()["checks"]["container_engine"]["runtime"]
+    return {RUNC.name: RUNC, RUNSC.name: RUNSC}[name]
+
+
+@pytest.fixture(scope="session")
+def sandbox_runtime(sandbox_service: Service) -> Runtime:
+    """The runtime the sandbox tests run under: the one the shipped service chose."""
+    return runtime_of(sandbox_service)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import httpx2
 import pytest
 
 from metaagent.sandbox.image import image_tag
+from metaagent.sandbox.runtime import RUNC, Runtime
 from tests.sandbox.conftest import (
     HOST_SECRET,
     Result,
@@ -230,7 +231,12 @@ def test_every_execution_gets_a_fresh_container_that_is_removed(
     assert containers_of(second.body["execution_id"]) == []
 
 
-def test_every_execution_writes_an_audit_record_with_its_security_context(sandbox_service: Service) -> None:
+def test_every_execution_writes_an_audit_record_with_its_security_context(
+    sandbox_service: Service, sandbox_runtime: Runtime
+) -> None:
+    # The process limit: the pids cgroup under runc; under runsc RLIMIT_NPROC in gVisor's kernel, and a
+    # cgroup with room for gVisor's own host threads (sandbox/runtime.py).
+    process_limit = {"pids_limit": 32} if sandbox_runtime is RUNC else {"pids_limit": 384, "nproc": 32}
     code = "console.log('audited')"
     result = code_runner(sandbox_service)(code)
     record = audit_record(sandbox_service, result.execution_id)
@@ -239,13 +245,14 @@ def test_every_execution_writes_an_audit_record_with_its_security_context(sandbo
     assert record["code_bytes"] == len(code)
     assert code not in json.dumps(record)
     assert record["security"] == {
+        "runtime": sandbox_runtime.name,
         "user": "1001:1001",
         "capabilities": [],
         "no_new_privileges": True,
         "read_only_root": True,
         "network_mode": "none",
         "ipc_mode": "none",
-        "pids_limit": 32,
+        **process_limit,
         "nofile": 256,
         "tmpfs": "/tmp 100m noexec",
         "workspace": "/workspace 100m noexec nosuid",

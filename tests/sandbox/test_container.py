@@ -18,21 +18,27 @@ from metaagent.packages.install import archive
 from metaagent.sandbox.engine import Engine, Mount
 from metaagent.sandbox.execute import Outcome, execute
 from metaagent.sandbox.image import image_tag
+from metaagent.sandbox.runtime import RUNC, RUNSC, Runtime
 from metaagent.tools.code_interpreter import container_spec
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
 
 RunRaw = Callable[..., Outcome]
+# A bound for the floods, which end themselves (their report at 2.5 s): their children share the
+# container's CPU share, so on a loaded machine the report comes late.
+PROGRAM_EXITS_ITSELF_S = 30
 
 
 @pytest.fixture
-def run_raw(sandbox_service: object) -> RunRaw:  # the service fixture guarantees the image is built
+def run_raw(sandbox_runtime: Runtime) -> RunRaw:  # the service behind the runtime guarantees the image is built
     def run(code: str, *, memory_mb: int = 256, timeout_s: float = 10, mounts: tuple[Mount, ...] = ()) -> Outcome:
         async def go() -> Outcome:
             engine = Engine()
             execution = Execution(new_execution_id(), int(timeout_s), memory_mb)
             command = ["/usr/bin/node", "-e", code]
-            spec = container_spec(execution.execution_id, image_tag(), memory_mb, 0.5, mounts, command)
+            spec = container_spec(
+                execution.execution_id, image_tag(), memory_mb, 0.5, mounts, command, runtime=sandbox_runtime
+            )
             try:
                 return await execute(engine, spec, b"", execution, timeout_s=timeout_s, grace_s=2, ready_marker=b"")
             finally:
@@ -67,7 +73,30 @@ def test_fork_bomb_is_contained_by_the_process_limit(run_raw: RunRaw) -> None:
           child.on('error', () => refused++);
         }
         setTimeout(() => { console.log(JSON.stringify({started, refused})); process.exit(0); }, 2500);
+        """,
+        timeout_s=PROGRAM_EXITS_ITSELF_S,
+    )
+    counts = report(outcome)
+    assert counts["refused"] > 0
+    assert counts["started"] < 32
+
+
+def test_thread_flood_is_contained_by_the_process_limit(run_raw: RunRaw) -> None:
+    # Threads count as processes against the limit: the pids cgroup under runc, RLIMIT_NPROC in gVisor.
+    outcome = run_raw(
         """
+        const { Worker } = require('worker_threads');
+        let started = 0, refused = 0;
+        for (let i = 0; i < 100; i++) {
+          try {
+            const worker = new Worker('setTimeout(() => {}, 4000)', { eval: true });
+            worker.on('online', () => started++);
+            worker.on('error', () => refused++);
+          } catch (e) { refused++; }
+        }
+        setTimeout(() => { console.log(JSON.stringify({started, refused})); process.exit(0); }, 2500);
+        """,
+        timeout_s=PROGRAM_EXITS_ITSELF_S,
     )
     counts = report(outcome)
     assert counts["refused"] > 0
@@ -140,19 +169,26 @@ def test_writing_past_100_mb_in_tmp_fails(run_raw: RunRaw) -> None:
     assert result["written"] <= 100
 
 
-def test_inode_flood_in_tmp_ends_in_enospc_not_an_oom_kill(run_raw: RunRaw) -> None:
-    outcome = run_raw(
-        """
+def test_inode_flood_in_tmp_ends_in_enospc_under_runc_and_at_the_memory_limit_under_runsc(
+    run_raw: RunRaw, sandbox_runtime: Runtime
+) -> None:
+    flood = """
         const fs = require('fs');
         let made = 0, error = null;
-        try { for (let i = 0; i < 100000; i++) { fs.writeFileSync('/tmp/f' + i, ''); made++; } }
+        try { for (let i = 0; ; i++) { fs.writeFileSync('/tmp/f' + i, ''); made++; } }
         catch (e) { error = e.code; }
         console.log(JSON.stringify({made, error}));
         """
-    )
-    result = report(outcome)
-    assert result["error"] == "ENOSPC"
-    assert not outcome.oom_killed
+    if sandbox_runtime is RUNC:
+        outcome = run_raw(flood)
+        result = report(outcome)
+        assert result["error"] == "ENOSPC"  # the tmpfs's 16,384 inodes
+        assert not outcome.oom_killed
+    else:
+        # gVisor's tmpfs has no inode limit: its inodes live in gVisor's memory, inside the memory limit.
+        outcome = run_raw(flood, memory_mb=64, timeout_s=120)
+        assert outcome.oom_killed, outcome
+        assert outcome.exit_code == 137
 
 
 def test_opening_300_files_fails(run_raw: RunRaw) -> None:
@@ -170,11 +206,12 @@ def test_opening_300_files_fails(run_raw: RunRaw) -> None:
     assert result["opened"] < 256
 
 
-def test_process_runs_as_uid_1001_without_capabilities(run_raw: RunRaw) -> None:
+def test_process_runs_as_uid_1001_without_capabilities(run_raw: RunRaw, sandbox_runtime: Runtime) -> None:
     outcome = run_raw(
         """
         const status = require('fs').readFileSync('/proc/self/status', 'utf8');
-        const field = (name) => status.match(new RegExp('^' + name + ':\\\\s*(.*)$', 'm'))[1].trim();
+        const found = (name) => status.match(new RegExp('^' + name + ':\\\\s*(.*)$', 'm'));
+        const field = (name) => found(name) && found(name)[1].trim();
         console.log(JSON.stringify({
           uid: process.getuid(), gid: process.getgid(), user: require('os').userInfo().username,
           CapEff: field('CapEff'), CapPrm: field('CapPrm'), CapBnd: field('CapBnd'), NoNewPrivs: field('NoNewPrivs'),
@@ -184,7 +221,8 @@ def test_process_runs_as_uid_1001_without_capabilities(run_raw: RunRaw) -> None:
     result = report(outcome)
     assert (result["uid"], result["gid"], result["user"]) == (1001, 1001, "sandbox")
     assert result["CapEff"] == result["CapPrm"] == result["CapBnd"] == "0000000000000000"
-    assert result["NoNewPrivs"] == "1"
+    # gVisor's /proc/self/status has no NoNewPrivs line; its kernel gets the flag from the same spec.
+    assert result["NoNewPrivs"] == ("1" if sandbox_runtime is RUNC else None)
 
 
 def test_only_loopback_exists_and_connections_fail(run_raw: RunRaw, upstream: str) -> None:
@@ -206,7 +244,9 @@ def test_only_loopback_exists_and_connections_fail(run_raw: RunRaw, upstream: st
     assert result["connect"] == "ECONNREFUSED"  # the container's own loopback, not the host's
 
 
-def test_no_mount_reveals_a_path_of_the_service_or_its_users(run_raw: RunRaw, tmp_path: Path) -> None:
+def test_no_mount_reveals_a_path_of_the_service_or_its_users(
+    run_raw: RunRaw, tmp_path: Path, sandbox_runtime: Runtime
+) -> None:
     outcome = run_raw(
         """
         const lines = require('fs').readFileSync('/proc/self/mountinfo', 'utf8').trim().split('\\n');
@@ -218,9 +258,12 @@ def test_no_mount_reveals_a_path_of_the_service_or_its_users(run_raw: RunRaw, tm
     # A bind mount shows the host folder it came from as its root. The only ones are Docker's own
     # /etc/hostname, /etc/hosts and /etc/resolv.conf (under the engine's data root) and the engine's
     # masking of /proc and /sys paths; the code itself arrives on stdin, never through a mount.
+    # Under runsc, gVisor's kernel shows no host path at all: every mount's root is its own "/".
     docker_files = {"/etc/hostname", "/etc/hosts", "/etc/resolv.conf"}
     for mount in mounts:
-        if mount["at"] in docker_files:
+        if sandbox_runtime is RUNSC:
+            assert mount["root"] == "/", mount
+        elif mount["at"] in docker_files:
             assert mount["root"].startswith("/var/lib/docker/containers/"), mount
         elif mount["root"] != "/":
             assert mount["at"].startswith(("/proc", "/sys", "/dev")), mount
@@ -229,7 +272,9 @@ def test_no_mount_reveals_a_path_of_the_service_or_its_users(run_raw: RunRaw, tm
         assert host_path not in text
 
 
-def test_a_package_volume_reveals_no_path_outside_the_engine_data_root(run_raw: RunRaw, tmp_path: Path) -> None:
+def test_a_package_volume_reveals_no_path_outside_the_engine_data_root(
+    run_raw: RunRaw, tmp_path: Path, sandbox_runtime: Runtime
+) -> None:
     """Installed packages arrive as a named volume (as the package store makes them): readable by the
     sandbox user, writable by nobody, and its mount shows only a path under the engine's data root."""
     tree = tmp_path / "node_modules"
@@ -272,9 +317,13 @@ def test_a_package_volume_reveals_no_path_outside_the_engine_data_root(run_raw: 
     result = report(outcome)
     assert result["uid"] == 1001
     assert result["loaded"] == "from the volume"
-    assert result["write"] == "EROFS"
     package_mount = next(m for m in result["mounts"] if m["at"] == "/app/node_modules")
-    assert package_mount["root"] == f"/var/lib/docker/volumes/{volume}/_data"
+    if sandbox_runtime is RUNC:
+        assert result["write"] == "EROFS"
+        assert package_mount["root"] == f"/var/lib/docker/volumes/{volume}/_data"
+    else:  # gVisor refuses the write to the read-only mount with EACCES, and shows no host path
+        assert result["write"] == "EACCES"
+        assert package_mount["root"] == "/"
     for mount in result["mounts"]:
         assert (
             mount["root"] == "/"
@@ -296,7 +345,7 @@ def test_kill_of_a_container_that_already_exited_is_harmless() -> None:
     anyio.run(go)
 
 
-def test_deadlines_hold_when_more_executions_run_than_the_default_worker_threads(sandbox_service: object) -> None:
+def test_deadlines_hold_when_more_executions_run_than_the_default_worker_threads(sandbox_runtime: Runtime) -> None:
     """Each running execution waits for its container in a thread; those waits must not take the
     threads that the kills at the deadlines need (anyio's default pool, here shrunk to 3)."""
 
@@ -308,7 +357,9 @@ def test_deadlines_hold_when_more_executions_run_than_the_default_worker_threads
         async def one() -> None:
             execution = Execution(new_execution_id(), 1, 128)
             command = ["/usr/bin/node", "-e", "for (;;) {}"]
-            spec = container_spec(execution.execution_id, image_tag(), 128, 0.5, command=command)
+            spec = container_spec(
+                execution.execution_id, image_tag(), 128, 0.5, command=command, runtime=sandbox_runtime
+            )
             outcomes.append(await execute(engine, spec, b"", execution, timeout_s=1, grace_s=1, ready_marker=b""))
 
         try:

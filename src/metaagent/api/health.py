@@ -21,7 +21,12 @@ async def health(request: Request) -> dict[str, Any]:
     svc = services(request)
     checks: dict[str, Any] = {
         "egress_allowlist": {"ok": True, "patterns": len(svc.allowlist)},
-        "container_engine": await _engine_check(svc.engine),
+        "container_engine": {
+            **await _engine_check(svc.engine),
+            # The isolation runtime in force (null until its self-test has run) and why it is that one.
+            "runtime": runtime.runtime.name if (runtime := svc.interpreter.runtime).runtime else None,
+            "runtime_reason": runtime.reason,
+        },
         "sandbox_image": {
             "ok": svc.image.image_id is not None,
             "tag": svc.image.tag,

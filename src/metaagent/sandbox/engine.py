@@ -26,6 +26,7 @@ from docker.types import Mount as DockerMount
 
 from metaagent import metrics
 from metaagent.errors import Unavailable
+from metaagent.sandbox import leftovers
 
 log = logging.getLogger("metaagent.engine")
 
@@ -33,6 +34,8 @@ SERVICE_LABEL = "org.metaagent.service"
 EXECUTION_LABEL = "org.metaagent.execution"
 OWNER_PID_LABEL = "org.metaagent.owner-pid"
 SANDBOX_UID = "1001:1001"
+_SANDBOX_UID_NUMBER = 1001
+SANDBOX_HOSTNAME = "sandbox"
 _MAX_WAITING_THREADS = 1024
 _CPU_PERIOD_US = 100_000
 
@@ -67,7 +70,9 @@ class ContainerSpec:
     labels: dict[str, str]
     # CPUs while the trusted runner loads, before any user code exists; `limit_cpus` then sets `cpus`.
     start_cpus: float | None = None
+    runtime: str = "runc"  # the engine's name of the isolation runtime (see metaagent.sandbox.runtime)
     pids_limit: int = 32
+    nproc: int | None = None  # RLIMIT_NPROC inside the container: the process limit under runsc
     nofile: int = 256
     tmp_size_mb: int = 100
     tmp_inodes: int = 16384
@@ -80,6 +85,7 @@ class ContainerSpec:
     def security_context(self) -> dict[str, Any]:
         """What `create` enforces for this spec, as the audit log records it."""
         return {
+            "runtime": self.runtime,
             "user": SANDBOX_UID,
             "capabilities": [],
             "no_new_privileges": True,
@@ -87,6 +93,7 @@ class ContainerSpec:
             "network_mode": "none",
             "ipc_mode": "none",
             "pids_limit": self.pids_limit,
+            **({"nproc": self.nproc} if self.nproc is not None else {}),
             "nofile": self.nofile,
             "tmpfs": f"/tmp {self.tmp_size_mb}m noexec",
             "workspace": f"/workspace {self.workspace_mb}m noexec nosuid",
@@ -151,6 +158,15 @@ class Engine:
     async def ping(self) -> None:
         await self._run(lambda: self.api.ping())
 
+    async def runtimes(self) -> dict[str, list[str]]:
+        """The isolation runtimes the engine has registered (runc, and runsc once registered), each with
+        the arguments the engine passes it."""
+        info = await self._run(self.api.info)
+        return {
+            name: [str(arg) for arg in (entry or {}).get("runtimeArgs") or []]
+            for name, entry in (info.get("Runtimes") or {}).items()
+        }
+
     async def image_id(self, tag: str) -> str | None:
         def find() -> str | None:
             try:
@@ -162,7 +178,11 @@ class Engine:
 
     async def create(self, spec: ContainerSpec) -> str:
         def create() -> str:
+            ulimits = [Ulimit(name="nofile", soft=spec.nofile, hard=spec.nofile)]
+            if spec.nproc is not None:
+                ulimits.append(Ulimit(name="nproc", soft=spec.nproc, hard=spec.nproc))
             host_config = self.api.create_host_config(
+                runtime=spec.runtime,
                 network_mode="none",
                 read_only=True,
                 # noexec: nothing written at run time can be executed; nr_inodes: an inode flood is an
@@ -179,7 +199,7 @@ class Engine:
                 cpu_period=_CPU_PERIOD_US,
                 cpu_quota=int((spec.start_cpus or spec.cpus) * _CPU_PERIOD_US),
                 pids_limit=spec.pids_limit,
-                ulimits=[Ulimit(name="nofile", soft=spec.nofile, hard=spec.nofile)],
+                ulimits=ulimits,
                 ipc_mode="none",  # no /dev/shm: --read-only does not cover it
                 log_config=LogConfig(type=LogConfig.types.NONE),  # output is read from the stream, never stored
                 mounts=[
@@ -204,7 +224,7 @@ class Engine:
             name=spec.name,
             user=SANDBOX_UID,
             working_dir="/tmp",
-            hostname="sandbox",
+            hostname=SANDBOX_HOSTNAME,
             environment={},
             labels=spec.labels,
             stdin_open=True,  # with detach left false, docker-py also sets StdinOnce: EOF reaches node
@@ -284,6 +304,33 @@ class Engine:
 
         await self._run(remove)
 
+    async def remove_failed(self, container_id: str) -> None:
+        """Removes a container whose start failed, and whatever its runtime left of it on the host
+        (runsc's processes and state, which the engine may forget while they run on)."""
+        await self.remove(container_id)
+        await self.remove_runtime_leftovers([container_id])
+
+    async def remove_runtime_leftovers(self, ids: list[str] | None = None) -> int:
+        """Removes runsc containers the engine no longer knows: those of `ids`, or (None) every one
+        that is a sandbox of this service. Returns how many; 0 when the engine does not answer."""
+
+        def forgotten(container_id: str) -> bool:
+            try:
+                self.api.inspect_container(container_id)
+            except docker.errors.NotFound:
+                return True
+            except (docker.errors.DockerException, requests.exceptions.RequestException, OSError):
+                return False  # no answer: nothing can be said to be forgotten
+            return False
+
+        def sweep() -> int:
+            removed = leftovers.sweep(forgotten, SANDBOX_HOSTNAME, _SANDBOX_UID_NUMBER, ids=ids)
+            for container_id in removed:
+                log.warning("removed the runtime's leftovers of container %s (processes or state)", container_id[:12])
+            return len(removed)
+
+        return await anyio.to_thread.run_sync(sweep, abandon_on_cancel=True)
+
     async def create_volume(self, name: str, labels: dict[str, str]) -> str:
         """Creates a named local volume; returns its folder on this machine (the engine's Mountpoint)."""
         created = await self._run(self.api.create_volume, name=name, driver="local", labels=labels)
@@ -301,6 +348,7 @@ class Engine:
                 continue
             await self.remove(container["Id"])
             removed += 1
+        removed += await self.remove_runtime_leftovers()
         # Volumes last: one still used by a container cannot be removed.
         found = await self._run(self.api.volumes, filters={"label": SERVICE_LABEL})
         for volume in found.get("Volumes") or []:

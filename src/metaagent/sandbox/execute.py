@@ -137,7 +137,7 @@ async def prepare(engine: Engine, spec: ContainerSpec, *, start: bool, ready_mar
         if sock is not None:
             sock.close()
         with anyio.CancelScope(shield=True):
-            await engine.remove(container_id)
+            await engine.remove_failed(container_id)
         raise
     output = Demultiplexer(STDOUT_CAP, STDERR_CAP, ready_marker)
     return Prepared(container_id, sock, output, start, spec.cpus, cpus_limited=spec.start_cpus is None)
@@ -178,7 +178,10 @@ async def execute(
     finally:
         prepared.sock.close()
         with anyio.CancelScope(shield=True):
-            await engine.remove(prepared.container_id)
+            if prepared.output.ready:
+                await engine.remove(prepared.container_id)
+            else:  # the runner never started: what a failed start may leave goes too
+                await engine.remove_failed(prepared.container_id)
 
 
 async def _run(

@@ -14,12 +14,13 @@ import logging
 import select
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskGroup
 
+from metaagent import metrics
 from metaagent.errors import Unavailable
 from metaagent.executions import new_execution_id
 from metaagent.sandbox.engine import ContainerSpec, Engine
@@ -59,7 +60,7 @@ class WarmPool:
         *,
         size: int,
         memory_mb: int,
-        make_spec: Callable[[str, str], ContainerSpec],
+        make_spec: Callable[[str, str], Awaitable[ContainerSpec]],
     ) -> None:
         self.engine = engine
         self.image = image
@@ -87,10 +88,14 @@ class WarmPool:
         """A warm container for one execution, or None (the caller takes the cold path)."""
         while self._ready and not self.closed:
             warm = self._ready.popleft()
-            if warm.spec.image == image_tag and _still_waiting(warm):
+            waiting = _still_waiting(warm)
+            if warm.spec.image == image_tag and waiting:
                 self.served += 1
                 self._lent += 1
                 return warm
+            if not waiting:
+                metrics.pool_start_retry()
+                log.warning("warm container %s: the runner ended while it waited", warm.prepared.container_id[:12])
             self._discard(warm)  # an image rebuilt since, or a runner that died while it waited
             self._wake()
         return None
@@ -148,7 +153,7 @@ class WarmPool:
         try:
             tag = await self.image.require()
             execution_id = new_execution_id()
-            spec = self._make_spec(execution_id, tag)
+            spec = await self._make_spec(execution_id, tag)
             prepared = await prepare(self.engine, spec, start=True)
             try:
                 ready = await wait_ready(prepared)
@@ -157,9 +162,12 @@ class WarmPool:
             except BaseException:  # cancelled (a shutdown) while the runner started: nobody else knows it
                 await self._remove(Warm(execution_id, spec, prepared))
                 raise
-            if not ready:
+            if not ready:  # a crash at start (no code was handed over): counted, and another is started
+                metrics.pool_start_retry()
+                how = await self._how_it_ended(prepared.container_id)
                 await self._remove(Warm(execution_id, spec, prepared))
-                raise Unavailable(f"the runner did not start: {prepared.output.stderr.text()[:300]!r}")
+                await self.engine.remove_runtime_leftovers([prepared.container_id])  # a failed start's
+                raise Unavailable(f"the runner did not start ({how}): {prepared.output.stderr.text()[:300]!r}")
         except Exception as exc:  # a background worker: whatever failed, back off and try again
             self._failures += 1
             self._retry_at = time.monotonic() + min(_MAX_BACKOFF_S, 0.25 * 2**self._failures)
@@ -171,6 +179,18 @@ class WarmPool:
             log.info("the warm pool is starting containers again")
         self._failures = 0
         return Warm(execution_id, spec, prepared)
+
+    async def _how_it_ended(self, container_id: str) -> str:
+        """A failed start's exit, for the log: the stream ends a moment before the engine reports the exit."""
+        try:
+            with anyio.move_on_after(5):
+                await self.engine.wait(container_id)
+            state = await self.engine.state(container_id)
+        except Unavailable:
+            return "the engine did not say how it ended"
+        if state.exit_code is None:
+            return "still starting at the start timeout"
+        return f"exit {state.exit_code}{', OOM-killed' if state.oom_killed else ''}"
 
     def _missing(self) -> int:
         return self.size - self.ready - self._starting - self._lent

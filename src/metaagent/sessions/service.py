@@ -308,7 +308,7 @@ class Sessions:
             mounts = (*(network.mounts if network else ()), *((packages.mount(),) if packages else ()))
             spec = container_spec(
                 new_execution_id(), image_ref, request.memory_mb, interpreter.cpus, mounts=mounts,
-                workspace_mb=self.workspace_mb,
+                workspace_mb=self.workspace_mb, runtime=await interpreter.runtime_in_force(image_ref),
             )  # fmt: skip
             prepared = await prepare(self.engine, spec, start=True)
             try:

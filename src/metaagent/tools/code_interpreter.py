@@ -26,6 +26,7 @@ from metaagent.sandbox.network import ExecutionNetwork, SandboxNetwork
 from metaagent.sandbox.output import OutputSink
 from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
+from metaagent.sandbox.runtime import RUNC, ProbeSpec, Runtime, RuntimeChoice
 from metaagent.validation import ToolRequest
 
 log = logging.getLogger("metaagent.code_interpreter")
@@ -153,6 +154,7 @@ def container_spec(
     mounts: tuple[Mount, ...] = (),
     command: list[str] | None = None,
     workspace_mb: int = 100,
+    runtime: Runtime = RUNC,
 ) -> ContainerSpec:
     """The container of one execution. `command` replaces the runner only in the tests of the container layer."""
     # Node's heap limit below the container's, so that a hog usually ends with a JavaScript heap
@@ -161,8 +163,12 @@ def container_spec(
     node = runner_command(heap_mb)
     return ContainerSpec(
         # The trusted runner loads (node and the gate) with the machine's CPUs, not the execution's
-        # share; the share applies before the code is handed over. A command of the tests' runs at once.
-        start_cpus=None if command else float(os.cpu_count() or 1),
+        # share; the share applies before the code is handed over. A command of the tests' runs at once,
+        # and so does everything under a runtime that cannot change a running container's quota.
+        start_cpus=float(os.cpu_count() or 1) if runtime.updates_cpus and not command else None,
+        runtime=runtime.name,
+        pids_limit=runtime.pids_limit(),
+        nproc=runtime.nproc(),
         name=f"metaagent-{execution_id}",
         image=image,
         command=["/usr/bin/dumb-init", "--", *(command or node)],
@@ -171,6 +177,13 @@ def container_spec(
         labels={SERVICE_LABEL: "metaagent", EXECUTION_LABEL: execution_id, OWNER_PID_LABEL: str(os.getpid())},
         mounts=mounts,
         workspace_mb=workspace_mb,
+    )
+
+
+def probe_spec(cpus: float) -> ProbeSpec:
+    """The runtime self-test's container: an execution's, with the default memory and `cpus`."""
+    return lambda image_ref, runtime: container_spec(
+        new_execution_id(), image_ref, DEFAULT_MEMORY_MB, cpus, runtime=runtime
     )
 
 
@@ -186,6 +199,7 @@ class CodeInterpreter:
         queue_size: int,
         cpus: float,
         grace_s: float,
+        runtime: RuntimeChoice,
         pool_size: int = 0,
         packages: PackageStore | None = None,
         network: SandboxNetwork | None = None,
@@ -193,23 +207,22 @@ class CodeInterpreter:
     ) -> None:
         self.engine = engine
         self.image = image
+        self.runtime = runtime
         self.registry = registry
         self.audit = audit
         self.admission = Admission(capacity, queue_size)
         self.cpus = cpus
         self.grace_s = grace_s
+        self.workspace_mb = workspace_mb
         self.pool = WarmPool(
             engine,
             image,
             size=pool_size,
             memory_mb=DEFAULT_MEMORY_MB,
-            make_spec=lambda execution_id, tag: container_spec(
-                execution_id, tag, DEFAULT_MEMORY_MB, cpus, workspace_mb=workspace_mb
-            ),
+            make_spec=self._pool_spec,
         )
         self.packages = packages
         self.network = network
-        self.workspace_mb = workspace_mb
         self.closing = False
 
     def close(self) -> None:
@@ -231,6 +244,7 @@ class CodeInterpreter:
         dependencies = self.check_packages(request.packages)
         allowlist = self.network_allowlist(request.network)
         image_ref = await self.image.require()
+        runtime = await self.runtime_in_force(image_ref)
         outcome: Outcome | None = None
         error: str | None = None
         network: ExecutionNetwork | None = None
@@ -250,7 +264,13 @@ class CodeInterpreter:
                 warm.spec
                 if warm
                 else container_spec(
-                    execution_id, image_ref, request.memory_mb, self.cpus, mounts=mounts, workspace_mb=self.workspace_mb
+                    execution_id,
+                    image_ref,
+                    request.memory_mb,
+                    self.cpus,
+                    mounts,
+                    workspace_mb=self.workspace_mb,
+                    runtime=runtime,
                 )
             )
             self.registry.add(execution)
@@ -286,6 +306,16 @@ class CodeInterpreter:
             duration_ms=outcome.duration_ms,
             killed=outcome.killed,
             queued_ms=int(queued_s * 1000),
+        )
+
+    async def runtime_in_force(self, image_ref: str) -> Runtime:
+        """The isolation runtime of every container of this interpreter (self-tested on first use)."""
+        return await self.runtime.require(self.engine, image_ref, probe_spec(self.cpus))
+
+    async def _pool_spec(self, execution_id: str, image_ref: str) -> ContainerSpec:
+        runtime = await self.runtime_in_force(image_ref)
+        return container_spec(
+            execution_id, image_ref, DEFAULT_MEMORY_MB, self.cpus, workspace_mb=self.workspace_mb, runtime=runtime
         )
 
     def _refuse_if_closing(self) -> None:
