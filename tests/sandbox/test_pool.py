@@ -151,3 +151,42 @@ def test_a_warm_container_whose_runner_dies_at_start_is_counted_and_another_star
     assert retries >= 2  # the pool went on starting containers after the first crash
     assert (ready, lent) == (0, False)
     assert owned_containers(docker_client, os.getpid()) == []  # no crashed container left behind
+
+
+def test_a_warm_runner_that_dies_while_it_waits_is_never_lent_and_its_end_is_logged(
+    sandbox_runtime: Runtime, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Ready, then dead before any code comes: the pool must notice at the take and say how it ended.
+    program = "process.stderr.write('metaagent-runner: ready\\n'); console.error('bye'); process.exit(7)"
+    dies = ["/usr/bin/node", "-e", program]
+
+    async def go() -> tuple[bool, float]:
+        engine = Engine()
+        image = SandboxImage(engine, tag=None, cache_dir=tmp_path)
+
+        async def dying(execution_id: str, tag: str) -> ContainerSpec:
+            return container_spec(execution_id, tag, 128, 0.5, command=dies, runtime=sandbox_runtime)
+
+        pool = WarmPool(engine, image, size=1, memory_mb=128, make_spec=dying)
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(pool.run)
+                with anyio.fail_after(120):  # a bound: one start on a loaded machine
+                    while pool.ready < 1:  # noqa: ASYNC110 - the pool has no event for this
+                        await anyio.sleep(0.05)
+                    await anyio.sleep(1)  # the runner has exited by now
+                    before = _start_retries()
+                    lent = pool.take(image.tag) is not None
+                    while "ended while it waited" not in caplog.text:  # noqa: ASYNC110 - a log line
+                        await anyio.sleep(0.05)
+                pool.close()
+            return lent, _start_retries() - before
+        finally:
+            engine.close()
+
+    with caplog.at_level("WARNING", logger="metaagent.pool"):
+        lent, counted = anyio.run(go)
+    assert (lent, counted) == (False, 1)
+    line = next(r.getMessage() for r in caplog.records if "ended while it waited" in r.getMessage())
+    assert "exit 7" in line
+    assert "bye" in line

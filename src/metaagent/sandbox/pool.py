@@ -95,8 +95,9 @@ class WarmPool:
                 return warm
             if not waiting:
                 metrics.pool_start_retry()
-                log.warning("warm container %s: the runner ended while it waited", warm.prepared.container_id[:12])
-            self._discard(warm)  # an image rebuilt since, or a runner that died while it waited
+                self._discard(warm, died=True)
+            else:
+                self._discard(warm)  # an image rebuilt since
             self._wake()
         return None
 
@@ -195,9 +196,23 @@ class WarmPool:
     def _missing(self) -> int:
         return self.size - self.ready - self._starting - self._lent
 
-    def _discard(self, warm: Warm) -> None:
+    def _discard(self, warm: Warm, *, died: bool = False) -> None:
         if self._group is not None:
-            self._group.start_soon(self._remove, warm)
+            self._group.start_soon(self._remove_dead if died else self._remove, warm)
+
+    async def _remove_dead(self, warm: Warm) -> None:
+        """A runner that ended while it waited: said in the log with how it ended, then removed."""
+        with anyio.move_on_after(2):  # what it wrote as it ended (nothing reads a waiting container's stream)
+            while await warm.prepared.read_some():
+                pass
+        how = await self._how_it_ended(warm.prepared.container_id)
+        log.warning(
+            "warm container %s: the runner ended while it waited (%s): %r",
+            warm.prepared.container_id[:12],
+            how,
+            warm.prepared.output.stderr.text()[:300],
+        )
+        await self._remove(warm)
 
     async def _remove(self, warm: Warm) -> None:
         warm.prepared.sock.close()
