@@ -18,7 +18,7 @@ from typing import Any
 
 import docker
 
-from bench import allowlist_rate, benign, http_tool, latency, phases, throughput
+from bench import allowlist_rate, benign, http_tool, latency, phases, sequential, throughput
 from bench.baselines import BENCH_LABEL, DEFAULT_EPICBOX_VENV, Epicbox, ensure_epicbox_venv
 from bench.machine import REPO, describe, load_average, node_path
 from bench.report import render, targets
@@ -27,7 +27,7 @@ from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.runtime import RUNSC, registration_problem
 from metaagent.settings import Settings
 
-SECTIONS = ("allowlist", "benign", "http", "latency", "phases", "throughput")
+SECTIONS = ("allowlist", "benign", "http", "latency", "phases", "sequential", "throughput")
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "latest.json"
 
 
@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-iterations", type=int, help="HTTP tool requests, and as many direct (default 300)")
     parser.add_argument("--allowlist-seconds", type=float, help="seconds per allow-list measurement (default 1)")
     parser.add_argument("--phase-iterations", type=int, help="pooled executions timed phase by phase (default 10)")
+    parser.add_argument("--sequential-calls", type=int, help="back-to-back calls per runtime (default 30)")
     parser.add_argument("--benign-rounds", type=int, help="rounds of the benign programs per runtime (default 2)")
     parser.add_argument(
         "--benign-runtimes", type=_csv(str), default=["runc", "runsc"], help="runtimes of the benign rounds"
@@ -75,6 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("allowlist_seconds", 1.0, 0.2),
         ("phase_iterations", 10, 3),
         ("benign_rounds", 2, 1),
+        ("sequential_calls", 30, 5),
     ]:
         if getattr(args, name) is None:
             setattr(args, name, smoke if quick else full)
@@ -180,7 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             progress(f"no benign rows: {benign_problem}")
         benign_runc = "benign" in only and not benign_problem and "runc" in args.benign_runtimes
         benign_runsc = "benign" in only and not benign_problem and RUNSC.name in args.benign_runtimes
-        if only & {"latency", "throughput", "http"} or benign_runc:
+        if only & {"latency", "throughput", "http", "sequential"} or benign_runc:
             progress("starting the service (warm pool on)")
             pooled = stack.enter_context(
                 BenchService(
@@ -197,7 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cold = stack.enter_context(
                 BenchService("cold", METAAGENT_POOL_ENABLED="false", METAAGENT_SANDBOX_RUNTIME="runc")
             )
-        if not runsc_problem and (only & {"latency", "throughput"} or benign_runsc):
+        if not runsc_problem and (only & {"latency", "throughput", "sequential"} or benign_runsc):
             progress("starting the service under runsc (warm pool on)")
             pooled_runsc = stack.enter_context(
                 BenchService("pooled-runsc", METAAGENT_EXECUTION_QUEUE_SIZE="64", METAAGENT_SANDBOX_RUNTIME=RUNSC.name)
@@ -231,6 +233,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 progress=progress,
                 pooled_runsc=pooled_runsc,
                 cold_runsc=cold_runsc,
+            )
+
+        if "sequential" in only:
+            loops = {name: service for name, service in (("runc", pooled), (RUNSC.name, pooled_runsc)) if service}
+            results["sequential"] = sequential.measure(
+                loops, node=node_path(), calls=args.sequential_calls, progress=progress
             )
 
         services = {

@@ -301,7 +301,7 @@ class Sessions:
             )
         warm = None
         if request.memory_mb == interpreter.pool.memory_mb and not request.packages and network is None:
-            warm = interpreter.pool.take(image_ref)
+            warm = await interpreter.pool.take_or_wait(image_ref)
         if warm is not None:
             interpreter.pool.finished()  # a session keeps its container: the pool replaces it now
             prepared = warm.prepared
