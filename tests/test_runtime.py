@@ -77,12 +77,21 @@ def test_registration_without_runsc_or_without_its_arguments_is_named() -> None:
     assert registration_problem({"runsc": ["--network=none", "--host-uds=all", "--debug"]}) is None
 
 
-def test_a_sandbox_spec_is_known_by_its_hostname_and_user() -> None:
-    ours = {"hostname": "sandbox", "process": {"user": {"uid": 1001, "gid": 1001}}}
-    assert is_sandbox_spec(ours, "sandbox", 1001)
-    assert not is_sandbox_spec({**ours, "hostname": "web"}, "sandbox", 1001)
-    assert not is_sandbox_spec({"hostname": "sandbox", "process": {"user": {"uid": 0}}}, "sandbox", 1001)
-    assert not is_sandbox_spec(None, "sandbox", 1001)
+def test_a_sandbox_spec_is_known_by_its_hostname_user_and_engine_data_root() -> None:
+    ours = {
+        "hostname": "sandbox",
+        "process": {"user": {"uid": 1001, "gid": 1001}},
+        "root": {"path": "/var/lib/docker/overlay2/0123/merged"},
+    }
+    assert is_sandbox_spec(ours, "sandbox", 1001, "/var/lib/docker")
+    assert is_sandbox_spec(ours, "sandbox", 1001, "/var/lib/docker/")
+    assert not is_sandbox_spec({**ours, "hostname": "web"}, "sandbox", 1001, "/var/lib/docker")
+    assert not is_sandbox_spec({**ours, "process": {"user": {"uid": 0}}}, "sandbox", 1001, "/var/lib/docker")
+    # Another engine's sandbox on the same host (its own data root), and a look-alike prefix:
+    assert not is_sandbox_spec(ours, "sandbox", 1001, "/srv/engine-b/docker")
+    assert not is_sandbox_spec({**ours, "root": {"path": "/var/lib/docker-b/x"}}, "sandbox", 1001, "/var/lib/docker")
+    assert not is_sandbox_spec({**ours, "root": None}, "sandbox", 1001, "/var/lib/docker")
+    assert not is_sandbox_spec(None, "sandbox", 1001, "/var/lib/docker")
 
 
 # --- scripts/register-runsc (what ensure-docker writes into /etc/docker/daemon.json) -------------------

@@ -149,19 +149,33 @@ def test_a_runsc_start_that_fails_leaves_no_process_or_state_behind() -> None:
     assert container_id not in leftovers.scan()
 
 
+def engine_data_root() -> str:
+    client = docker.from_env()
+    try:
+        return str(client.info()["DockerRootDir"])
+    finally:
+        client.close()
+
+
 @contextmanager
-def runsc_beside_the_engine(tmp_path: Path, hostname: str) -> Iterator[tuple[str, str]]:
+def runsc_beside_the_engine(tmp_path: Path, hostname: str, *, this_engines: bool = True) -> Iterator[tuple[str, str]]:
     """A runsc container that no engine knows, as a failed start can leave one: runsc's sandbox and gofer
     processes and its state, started with `runsc run -detach` (the host's / read-only as its root).
+    With `this_engines`, its root file system lies in the shared engine's data root, as the root of every
+    container that engine starts does (a link there to /); otherwise it looks like another engine's.
     Yields (container id, state root); ends it with runsc's own `delete` if a test left it."""
     runsc = shutil.which("runsc")
     assert runsc, "runsc is not installed: run scripts/ensure-docker"
     container_id = secrets.token_hex(32)
     bundle, root = tmp_path / f"bundle-{container_id[:8]}", tmp_path / f"state-{container_id[:8]}"
     bundle.mkdir(parents=True)
+    root_fs = Path("/")
+    if this_engines:
+        root_fs = Path(engine_data_root()) / f"metaagent-test-root-{container_id[:12]}"
+        root_fs.symlink_to("/")
     subprocess.run([runsc, "spec", "-bundle", str(bundle), "--", "/bin/sleep", "600"], check=True, timeout=30)
     spec = json.loads((bundle / "config.json").read_text())
-    spec.update(hostname=hostname, root={"path": "/", "readonly": True})
+    spec.update(hostname=hostname, root={"path": str(root_fs), "readonly": True})
     spec["process"].update(user={"uid": 1001, "gid": 1001}, terminal=False)
     (bundle / "config.json").write_text(json.dumps(spec))
     argv = [runsc, "--root", str(root), "--network=none", "run", "-detach", "-bundle", str(bundle), container_id]
@@ -177,18 +191,34 @@ def runsc_beside_the_engine(tmp_path: Path, hostname: str) -> Iterator[tuple[str
         yield container_id, str(root)
     finally:
         subprocess.run([runsc, "--root", str(root), "delete", "-force", container_id], timeout=60, check=False)
+        if this_engines:
+            root_fs.unlink()
 
 
 def traces(container_id: str, root: str) -> leftovers.Leftover | None:
     return leftovers.scan([root]).get(container_id)
 
 
+def gone(container_id: str, root: str) -> bool:
+    """Whether the container's traces are gone; a process sent SIGKILL may take a moment to end."""
+    deadline = time.monotonic() + 10  # a bound, not a speed check
+    while traces(container_id, root) is not None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 @pytest.mark.security
 @pytest.mark.usefixtures("runsc_registered")
-def test_the_sweep_removes_runsc_sandboxes_the_engine_forgot_and_leaves_foreign_ones(tmp_path: Path) -> None:
+def test_the_sweep_removes_forgotten_runsc_sandboxes_of_its_own_engine_only(tmp_path: Path) -> None:
     # Every service sweeps: one that another test starts meanwhile may remove ours first (which proves
     # nothing here), so ours is started again until it is there when this test's sweep begins.
-    with runsc_beside_the_engine(tmp_path, "web") as (foreign, foreign_root), ExitStack() as stack:
+    with (
+        runsc_beside_the_engine(tmp_path, "web") as (foreign, foreign_root),
+        runsc_beside_the_engine(tmp_path / "other", "sandbox", this_engines=False) as (others, others_root),
+        ExitStack() as stack,
+    ):
         for attempt in range(5):
             ours, root = stack.enter_context(runsc_beside_the_engine(tmp_path / str(attempt), "sandbox"))
             found = traces(ours, root)
@@ -205,10 +235,14 @@ def test_the_sweep_removes_runsc_sandboxes_the_engine_forgot_and_leaves_foreign_
                 engine.close()
 
         anyio.run(sweep)
-        assert traces(ours, root) is None  # no process, no state left
+        assert gone(ours, root)  # no process, no state left
         kept = traces(foreign, foreign_root)
         assert kept is not None
         assert kept.pids
+        # A sandbox of another engine on this host (its root elsewhere): this engine never knew it.
+        other_engines = traces(others, others_root)
+        assert other_engines is not None
+        assert other_engines.pids
 
 
 @pytest.mark.security
@@ -220,9 +254,9 @@ def test_the_service_sweeps_runsc_leftovers_at_start_and_at_shutdown(tmp_path: P
         assert traces(before, root) is not None
         with serving(tmp_path, START_TIMEOUT_S) as (base, process):
             health_when_chosen(base)  # the start-up sweep runs before the runtime is chosen
-            assert traces(before, root) is None
+            assert gone(before, root)
             with runsc_beside_the_engine(tmp_path, "sandbox") as (during, during_root):
                 assert traces(during, during_root) is not None
                 process.send_signal(signal.SIGTERM)
                 assert process.wait(timeout=60) == 0
-                assert traces(during, during_root) is None
+                assert gone(during, during_root)

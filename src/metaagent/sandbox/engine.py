@@ -324,7 +324,11 @@ class Engine:
             return False
 
         def sweep() -> int:
-            removed = leftovers.sweep(forgotten, SANDBOX_HOSTNAME, _SANDBOX_UID_NUMBER, ids=ids)
+            try:
+                data_root = str(self.api.info()["DockerRootDir"])
+            except (docker.errors.DockerException, requests.exceptions.RequestException, OSError, KeyError):
+                return 0  # no answer: nothing can be said to be this engine's
+            removed = leftovers.sweep(forgotten, SANDBOX_HOSTNAME, _SANDBOX_UID_NUMBER, data_root, ids=ids)
             for container_id in removed:
                 log.warning("removed the runtime's leftovers of container %s (processes or state)", container_id[:12])
             return len(removed)

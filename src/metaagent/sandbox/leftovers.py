@@ -11,9 +11,10 @@ Under runsc each container is host processes of its own beside the engine's shim
 Failed runsc starts have left these running after `docker run --rm` returned and the engine had forgotten
 the container (found an hour later, issue 17). So a failed start is followed by a look for its id here,
 and the sweeps at start and at shutdown look for every runsc container that the engine does not know
-and whose OCI spec is a sandbox's (the hostname and user every sandbox container gets): such a
-container can belong to no running container, and it is one of ours. Another service's live containers
-are known to the engine and never touched.
+and whose OCI spec is a sandbox's of this engine (the hostname and user every sandbox container gets,
+and a root file system in the engine's data root): such a container can belong to no running container,
+and it is one of ours. Another service's live containers are known to the engine and never touched, and
+so are those of another engine on the same host (another data root), which this engine never knew.
 """
 
 from __future__ import annotations
@@ -168,12 +169,15 @@ def _is_runsc(pid: int) -> bool:
     return bool(args) and os.path.basename(args[0]) in _RUNSC_NAMES
 
 
-def is_sandbox_spec(spec: dict[str, Any] | None, hostname: str, uid: int) -> bool:
-    """Whether an OCI spec is one of the service's sandbox containers (its hostname and user)."""
+def is_sandbox_spec(spec: dict[str, Any] | None, hostname: str, uid: int, data_root: str) -> bool:
+    """Whether an OCI spec is one of the service's sandbox containers (its hostname and user) of the
+    engine whose data root is `data_root`: its root file system lies there. Several engines can run on
+    one host, and a container another engine runs is forgotten only by the engine that never knew it."""
     if spec is None:
         return False
     user = (spec.get("process") or {}).get("user") or {}
-    return spec.get("hostname") == hostname and user.get("uid") == uid
+    root = str((spec.get("root") or {}).get("path") or "")
+    return spec.get("hostname") == hostname and user.get("uid") == uid and root.startswith(data_root.rstrip("/") + "/")
 
 
 def remove(leftover: Leftover) -> None:
@@ -199,15 +203,23 @@ def remove(leftover: Leftover) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def sweep(forgotten: Callable[[str], bool], hostname: str, uid: int, *, ids: Iterable[str] | None = None) -> list[str]:
-    """Removes the runsc containers the engine has forgotten (`forgotten(id)`) that are sandboxes, or,
-    with `ids`, those of these ids whatever their spec says. Returns the ids removed. Blocking."""
+def sweep(
+    forgotten: Callable[[str], bool],
+    hostname: str,
+    uid: int,
+    data_root: str,
+    *,
+    ids: Iterable[str] | None = None,
+) -> list[str]:
+    """Removes the runsc containers the engine (data root `data_root`) has forgotten (`forgotten(id)`)
+    that are its sandboxes, or, with `ids`, those of these ids whatever their spec says. Returns the ids
+    removed. Blocking."""
     wanted = set(ids) if ids is not None else None
     removed = []
     for container_id, leftover in scan().items():
         if wanted is not None and container_id not in wanted:
             continue
-        if wanted is None and not is_sandbox_spec(leftover.spec, hostname, uid):
+        if wanted is None and not is_sandbox_spec(leftover.spec, hostname, uid, data_root):
             continue
         if not forgotten(container_id):
             continue
