@@ -252,6 +252,10 @@ class _Endpoints(Generic[Result]):
         """`GET /sessions`: `{"sessions": [...]}`, the caller's open sessions."""
         return self._send(_Call("GET", "/sessions"))
 
+    def session_record(self, session_id: str) -> Result:
+        """`GET /sessions/{id}`: the session's record (ServiceError 410, with the reason, once it has ended)."""
+        return self._send(_Call("GET", _session(session_id)))
+
     def session_execute(self, session_id: str, code: str, *, timeout_s: int | None = None) -> Result:
         """`POST /sessions/{id}/execute`: run code in the session; its state persists."""
         return self._send(_session_call(session_id, code, timeout_s))
