@@ -72,9 +72,14 @@ def test_client_session_shares_state_and_files_and_closes_on_exit(sandbox_servic
             session.download("sum.txt")
         assert missing.value.status_code == 404
         session_id = session.id
-    with metaagent.Client(sandbox_service.base_url) as client, pytest.raises(ServiceError) as gone:
-        client.session_execute(session_id, "total")
-    assert gone.value.status_code == 410
+        assert client.session_record(session_id)["executions"] == 2
+    with metaagent.Client(sandbox_service.base_url) as client:
+        with pytest.raises(ServiceError) as gone:
+            client.session_execute(session_id, "total")
+        with pytest.raises(ServiceError) as ended:
+            client.session_record(session_id)
+    assert gone.value.status_code == ended.value.status_code == 410
+    assert ended.value.extra["reason"] == "closed"
 
 
 async def test_async_client_session_runs_calls_and_moves_files(sandbox_service: Service) -> None:
