@@ -1,4 +1,4 @@
-"""`python -m bench` (or `scripts/bench`): every benchmark of issues 8, 15 and 17 in one run on this machine.
+"""`python -m bench` (or `scripts/bench`): every benchmark of issues 8, 15, 17 and 18 in one run on this machine.
 
 Prints the tables and the targets, and writes everything (samples included) with the machine's
 description to bench/results/latest.json. `--quick` is a smoke run: the same code, few iterations.
@@ -18,7 +18,7 @@ from typing import Any
 
 import docker
 
-from bench import allowlist_rate, benign, http_tool, latency, phases, sessions, throughput
+from bench import allowlist_rate, benign, http_tool, latency, phases, sequential, sessions, throughput
 from bench.baselines import BENCH_LABEL, DEFAULT_EPICBOX_VENV, Epicbox, ensure_epicbox_venv
 from bench.machine import REPO, describe, load_average, node_path
 from bench.report import render, targets
@@ -27,7 +27,7 @@ from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.runtime import RUNSC, registration_problem
 from metaagent.settings import Settings
 
-SECTIONS = ("allowlist", "benign", "http", "latency", "phases", "sessions", "throughput")
+SECTIONS = ("allowlist", "benign", "http", "latency", "phases", "sequential", "sessions", "throughput")
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "latest.json"
 
 
@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-iterations", type=int, help="HTTP tool requests, and as many direct (default 300)")
     parser.add_argument("--allowlist-seconds", type=float, help="seconds per allow-list measurement (default 1)")
     parser.add_argument("--phase-iterations", type=int, help="pooled executions timed phase by phase (default 10)")
+    parser.add_argument("--sequential-calls", type=int, help="back-to-back calls per runtime (default 30)")
     parser.add_argument("--benign-rounds", type=int, help="rounds of the benign programs per runtime (default 2)")
     parser.add_argument(
         "--benign-runtimes", type=_csv(str), default=["runc", "runsc"], help="runtimes of the benign rounds"
@@ -83,6 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("session_transfers", 5, 1),
         ("idle_sessions", 20, 4),
         ("idle_seconds", 10.0, 2.0),
+        ("sequential_calls", 30, 5),
     ]:
         if getattr(args, name) is None:
             setattr(args, name, smoke if quick else full)
@@ -220,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             progress(f"no benign rows: {benign_problem}")
         benign_runc = "benign" in only and not benign_problem and "runc" in args.benign_runtimes
         benign_runsc = "benign" in only and not benign_problem and RUNSC.name in args.benign_runtimes
-        if only & {"latency", "throughput", "http"} or benign_runc:
+        if only & {"latency", "throughput", "http", "sequential"} or benign_runc:
             progress("starting the service (warm pool on)")
             pooled = stack.enter_context(
                 BenchService(
@@ -237,7 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cold = stack.enter_context(
                 BenchService("cold", METAAGENT_POOL_ENABLED="false", METAAGENT_SANDBOX_RUNTIME="runc")
             )
-        if not runsc_problem and (only & {"latency", "throughput"} or benign_runsc):
+        if not runsc_problem and (only & {"latency", "throughput", "sequential"} or benign_runsc):
             progress("starting the service under runsc (warm pool on)")
             pooled_runsc = stack.enter_context(
                 BenchService("pooled-runsc", METAAGENT_EXECUTION_QUEUE_SIZE="64", METAAGENT_SANDBOX_RUNTIME=RUNSC.name)
@@ -271,6 +273,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 progress=progress,
                 pooled_runsc=pooled_runsc,
                 cold_runsc=cold_runsc,
+            )
+
+        if "sequential" in only:
+            loops = {name: service for name, service in (("runc", pooled), (RUNSC.name, pooled_runsc)) if service}
+            results["sequential"] = sequential.measure(
+                loops, node=node_path(), calls=args.sequential_calls, progress=progress
             )
 
         services = {

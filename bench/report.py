@@ -80,6 +80,11 @@ def _session_targets(results: dict[str, Any], runtime: str) -> list[Target]:
     ]
 
 
+def _sequential(results: dict[str, Any], runtime: str, key: str) -> float | None:
+    measured = results.get("sequential", {}).get("runtimes", {}).get(runtime)
+    return None if measured is None else float(measured[key])
+
+
 def targets(results: dict[str, Any]) -> list[Target]:
     pooled, cold = _p50(results, POOLED), _p50(results, COLD)
     http = results.get("http_tool")
@@ -101,6 +106,11 @@ def targets(results: dict[str, Any]) -> list[Target]:
             "runsc: pooled p50 / node -e p50", _ratio(_p50(results, POOLED_RUNSC), _p50(results, NODE)), "<=", 1.5, "x"
         ),
         Target("runsc: benign programs' total / under runc", _benign_ratio(results), "<=", 2.0, "x"),
+        Target("back-to-back calls p50 / node -e p50", _sequential(results, "runc", "p50_ratio"), "<=", 1.0, "x"),
+        Target("back-to-back calls p95 / node -e p50", _sequential(results, "runc", "p95_ratio"), "<=", 3.0, "x"),
+        Target(
+            "runsc: back-to-back calls p50 / node -e p50", _sequential(results, "runsc", "p50_ratio"), "<=", 1.5, "x"
+        ),
         *(target for runtime in ("runc", "runsc") for target in _session_targets(results, runtime)),
     ]
 
@@ -204,6 +214,24 @@ def render(results: dict[str, Any]) -> str:
             f"Allow-list decisions with {allowlist['patterns']:,} patterns (parsed in {allowlist['parse_ms']:.1f} ms)\n"
             + table(["hosts", "decisions"], rows)
         )
+    sequential = results.get("sequential")
+    if sequential:
+        rows = [
+            [
+                runtime,
+                format_number(m["service"]["p50"], "ms"),
+                format_number(m["service"]["p95"], "ms"),
+                format_number(m["node"]["p50"], "ms"),
+                format_number(m["p50_ratio"], "x"),
+                format_number(m["p95_ratio"], "x"),
+                f"{m['paths'].get('warm', 0)} warm, {m['paths'].get('cold', 0)} cold",
+            ]
+            for runtime, m in sequential["runtimes"].items()
+        ]
+        parts.append(
+            f"Back-to-back calls of console.log(1), no pause between them ({sequential['calls']} per runtime)\n"
+            + table(["runtime", "p50", "p95", "node -e p50", "p50 / node", "p95 / node", "paths"], rows)
+        )
     phases = results.get("phases")
     if phases:
         rows = [
@@ -221,7 +249,7 @@ def render(results: dict[str, Any]) -> str:
         [t.name, format_number(t.measured, t.unit), f"{t.comparison} {format_number(t.bound, t.unit)}", t.verdict]
         for t in targets(results)
     ]
-    parts.append("Targets (issues 8, 15 and 17)\n" + table(["target", "measured", "target", "verdict"], rows))
+    parts.append("Targets (issues 8, 15, 17 and 18)\n" + table(["target", "measured", "target", "verdict"], rows))
     return "\n\n".join(parts)
 
 

@@ -144,7 +144,7 @@ def test_a_package_that_requires_fs_fails_with_the_blocked_module_error(npm_serv
     status, body = post(npm_service, "require('needs-fs')", ["needs-fs"])
     assert status == 200, body
     assert body["exit_code"] != 0
-    assert 'Module "fs" is blocked in the sandbox' in body["stderr"]
+    assert 'Module "fs" is blocked in the sandbox' in body["stderr"], body
     assert "ERR_METAAGENT_BLOCKED_MODULE" in body["stderr"]
 
 

@@ -47,8 +47,8 @@ def test_each_warm_container_serves_one_execution_and_is_gone_afterwards(
 
 def test_a_warm_execution_gets_its_whole_timeout_however_long_the_container_waited(sandbox_service: Service) -> None:
     wait_for_warm_containers(sandbox_service)
-    time.sleep(2)  # the ready containers have now waited longer than the whole timeout below
-    result = code_runner(sandbox_service, "warm")("setTimeout(() => console.log('in time'), 500)", timeout_s=1)
+    time.sleep(3)  # the ready containers have now waited longer than the whole timeout below
+    result = code_runner(sandbox_service, "warm")("setTimeout(() => console.log('in time'), 500)", timeout_s=2)
     assert result.timed_out is False
     assert result.stdout == "in time\n"
 
@@ -151,3 +151,121 @@ def test_a_warm_container_whose_runner_dies_at_start_is_counted_and_another_star
     assert retries >= 2  # the pool went on starting containers after the first crash
     assert (ready, lent) == (0, False)
     assert owned_containers(docker_client, os.getpid()) == []  # no crashed container left behind
+
+
+def test_a_warm_runner_that_dies_while_it_waits_is_never_lent_and_its_end_is_logged(
+    sandbox_runtime: Runtime, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Ready, then dead before any code comes: the pool must notice at the take and say how it ended.
+    program = "process.stderr.write('metaagent-runner: ready\\n'); console.error('bye'); process.exit(7)"
+    dies = ["/usr/bin/node", "-e", program]
+
+    async def go() -> tuple[bool, float]:
+        engine = Engine()
+        image = SandboxImage(engine, tag=None, cache_dir=tmp_path)
+
+        async def dying(execution_id: str, tag: str) -> ContainerSpec:
+            return container_spec(execution_id, tag, 128, 0.5, command=dies, runtime=sandbox_runtime)
+
+        pool = WarmPool(engine, image, size=1, memory_mb=128, make_spec=dying)
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(pool.run)
+                with anyio.fail_after(120):  # a bound: one start on a loaded machine
+                    while pool.ready < 1:  # noqa: ASYNC110 - the pool has no event for this
+                        await anyio.sleep(0.05)
+                    await anyio.sleep(1)  # the runner has exited by now
+                    before = _start_retries()
+                    lent = pool.take(image.tag) is not None
+                    while "ended while it waited" not in caplog.text:  # noqa: ASYNC110 - a log line
+                        await anyio.sleep(0.05)
+                pool.close()
+            return lent, _start_retries() - before
+        finally:
+            engine.close()
+
+    with caplog.at_level("WARNING", logger="metaagent.pool"):
+        lent, counted = anyio.run(go)
+    assert (lent, counted) == (False, 1)
+    line = next(r.getMessage() for r in caplog.records if "ended while it waited" in r.getMessage())
+    assert "exit 7" in line
+    assert "bye" in line
+
+
+def _runner_pool(engine: Engine, tmp_path: Path, runtime: Runtime) -> WarmPool:
+    image = SandboxImage(engine, tag=None, cache_dir=tmp_path)
+
+    async def spec(execution_id: str, tag: str) -> ContainerSpec:
+        return container_spec(execution_id, tag, 128, 0.5, runtime=runtime)
+
+    return WarmPool(engine, image, size=1, memory_mb=128, make_spec=spec)
+
+
+@pytest.mark.usefixtures("sandbox_service")  # only so that the image is there
+def test_an_execution_that_finds_the_pool_empty_takes_the_container_starting_for_it(
+    sandbox_runtime: Runtime, tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    async def go() -> tuple[str, str | None, int]:
+        engine = Engine()
+        pool = _runner_pool(engine, tmp_path, sandbox_runtime)
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(pool.run)
+                with anyio.fail_after(120):  # a bound: starts on a loaded machine
+                    while pool.ready < 1:  # noqa: ASYNC110 - the pool has no event for this
+                        await anyio.sleep(0.05)
+                tag = pool.image.tag
+                assert tag is not None
+                first = pool.take(tag)
+                assert first is not None
+                pool.finished()  # the first execution ended: its replacement starts now
+                while pool._starting < 1:  # noqa: ASYNC110 - the pool's loop begins that start
+                    await anyio.sleep(0.01)
+                assert pool.ready == 0
+                second = await pool.take_or_wait(tag)  # the pool is empty: this waits for that start
+                served = pool.served
+                for warm in (first, second):
+                    if warm is not None:
+                        warm.prepared.sock.close()
+                        await engine.remove(warm.prepared.container_id)
+                pool.close()
+            return first.execution_id, second.execution_id if second else None, served
+        finally:
+            engine.close()
+
+    first, second, served = anyio.run(go)
+    assert second is not None  # not the cold path
+    assert second != first  # a fresh container, never the same one twice
+    assert served == 2
+    assert owned_containers(docker_client, os.getpid()) == []
+
+
+@pytest.mark.usefixtures("sandbox_service")
+def test_a_pool_that_closes_sends_its_waiting_executions_to_the_cold_path(
+    sandbox_runtime: Runtime, tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    async def go() -> tuple[bool, int]:
+        engine = Engine()
+        pool = _runner_pool(engine, tmp_path, sandbox_runtime)
+        result: list[bool] = []
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(pool.run)
+                with anyio.fail_after(120):
+                    while pool._starting < 1:  # noqa: ASYNC110 - the first start is in flight
+                        await anyio.sleep(0.01)
+
+                    async def wait() -> None:
+                        result.append(await pool.take_or_wait(await pool.image.require()) is None)
+
+                    group.start_soon(wait)
+                    while not pool._takers:  # noqa: ASYNC110 - the execution waits now
+                        await anyio.sleep(0.01)
+                    pool.close()
+            return result[0], pool.served
+        finally:
+            engine.close()
+
+    went_cold, served = anyio.run(go)
+    assert (went_cold, served) == (True, 0)
+    assert owned_containers(docker_client, os.getpid()) == []

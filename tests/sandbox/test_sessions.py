@@ -559,6 +559,17 @@ def test_a_default_session_takes_a_warm_container(sessions: Sessions) -> None:
     assert created[0]["container_path"] == "warm"
 
 
+@pytest.mark.security
+def test_a_session_records_the_security_context_of_a_one_shot_execution(sessions: Sessions) -> None:
+    sid = sessions.create()
+    one_shot = sessions.request("POST", "/tools/code-interpreter", json={"code": "1"}).json()
+    records = audit_records(sessions.service)
+    created = next(r for r in records if r.get("session_id") == sid and r["event"] == "session.created")
+    execution = next(r for r in records if r.get("execution_id") == one_shot["execution_id"])
+    assert created["security"]["runtime"] in ("runc", "runsc")
+    assert created["security"] == execution["security"]
+
+
 def test_sessions_are_audited_in_the_hash_chain(sessions: Sessions, tmp_path: Path) -> None:
     from metaagent.audit import verify
 

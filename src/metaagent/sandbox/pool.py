@@ -5,7 +5,8 @@ the background: each pooled container is created, attached and started with the 
 its runner loads node and the module gate and then waits, idle, for the payload on stdin. An execution
 takes one, hands it the code and removes it afterwards, exactly as on the cold path; nothing goes back
 into the pool. So the pool changes when a container starts, never what runs in it or how often it is
-used.
+used. An execution that finds the pool empty while a start is in flight waits for that container
+(`take_or_wait`): it is nearer to ready than any cold start begun then.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import select
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from anyio.abc import TaskGroup
@@ -32,6 +33,8 @@ log = logging.getLogger("metaagent.pool")
 # Container starts are CPU-bound in the engine; more in parallel would only slow the executions running.
 _PARALLEL_STARTS = 2
 _MAX_BACKOFF_S = 5.0
+# How long an execution that found the pool empty waits for a start in flight before it goes cold.
+_TAKE_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,13 @@ def _still_waiting(warm: Warm) -> bool:
     poller = select.poll()  # not select(): a busy service has descriptors past FD_SETSIZE
     poller.register(warm.prepared.sock, select.POLLIN)
     return not poller.poll(0)
+
+
+@dataclass(eq=False)
+class _Taker:
+    image_tag: str
+    handed: anyio.Event = field(default_factory=anyio.Event)
+    warm: Warm | None = None
 
 
 class WarmPool:
@@ -79,6 +89,9 @@ class WarmPool:
         self.stopped = anyio.Event()  # set once closed and empty
         self._running = False
         self.served = 0
+        # Executions that found the pool empty while starts were in flight, in arrival order: each takes
+        # the next container that becomes ready (at most one taker per start in flight).
+        self._takers: deque[_Taker] = deque()
 
     @property
     def ready(self) -> int:
@@ -95,10 +108,61 @@ class WarmPool:
                 return warm
             if not waiting:
                 metrics.pool_start_retry()
-                log.warning("warm container %s: the runner ended while it waited", warm.prepared.container_id[:12])
-            self._discard(warm)  # an image rebuilt since, or a runner that died while it waited
+                self._discard(warm, died=True)
+            else:
+                self._discard(warm)  # an image rebuilt since
             self._wake()
         return None
+
+    async def take_or_wait(self, image_tag: str) -> Warm | None:
+        """`take`, or when the pool is empty but a container is starting, that container once it is ready.
+
+        A start in flight is always nearer to ready than a cold start begun now (which would also
+        compete with it for the CPU), so waiting for it is the faster path; if it fails, or takes longer
+        than `_TAKE_WAIT_S`, the caller takes the cold path after all.
+        """
+        warm = self.take(image_tag)
+        if warm is not None or self.closed or len(self._takers) >= self._starting:
+            return warm
+        taker = _Taker(image_tag)
+        self._takers.append(taker)
+        try:
+            with anyio.move_on_after(_TAKE_WAIT_S):
+                await taker.handed.wait()
+        except BaseException:  # cancelled (the caller hung up): what it was handed goes back, unused
+            if not taker.handed.is_set():
+                self._takers.remove(taker)
+            elif taker.warm is not None:
+                self._give_back(taker.warm)
+            raise
+        if not taker.handed.is_set():  # waited long enough: the cold path
+            self._takers.remove(taker)
+        return taker.warm
+
+    def _hand_over(self, warm: Warm) -> bool:
+        """Gives a container that just became ready to the longest-waiting taker; False if none waits."""
+        if not self._takers:
+            return False
+        taker = self._takers.popleft()
+        if warm.spec.image == taker.image_tag:
+            self.served += 1
+            self._lent += 1
+            taker.warm = warm
+        else:
+            self._discard(warm)  # an image rebuilt since the start began: the taker goes cold
+        taker.handed.set()
+        return True
+
+    def _give_back(self, warm: Warm) -> None:
+        self.served -= 1
+        self._lent -= 1
+        self._ready.appendleft(warm)
+        self._wake()
+
+    def _release_takers_beyond_starts(self) -> None:
+        """Takers that no start in flight will serve (one failed, or the pool closed) go cold now."""
+        while len(self._takers) > (0 if self.closed else self._starting):
+            self._takers.pop().handed.set()
 
     def finished(self) -> None:
         """The execution on a taken container ended: start its replacement now, not while it ran, when
@@ -134,6 +198,7 @@ class WarmPool:
     def close(self) -> None:
         """Stops refilling and hands out nothing more; `run` then removes what the pool holds."""
         self.closed = True
+        self._release_takers_beyond_starts()
         self._wake()
         if not self._running:
             self.stopped.set()
@@ -143,10 +208,11 @@ class WarmPool:
             warm = await self._start_one()
             if warm is not None and self.closed:
                 await self._remove(warm)
-            elif warm is not None:
+            elif warm is not None and not self._hand_over(warm):
                 self._ready.append(warm)
         finally:
             self._starting -= 1
+            self._release_takers_beyond_starts()
             self._wake()
 
     async def _start_one(self) -> Warm | None:
@@ -195,9 +261,23 @@ class WarmPool:
     def _missing(self) -> int:
         return self.size - self.ready - self._starting - self._lent
 
-    def _discard(self, warm: Warm) -> None:
+    def _discard(self, warm: Warm, *, died: bool = False) -> None:
         if self._group is not None:
-            self._group.start_soon(self._remove, warm)
+            self._group.start_soon(self._remove_dead if died else self._remove, warm)
+
+    async def _remove_dead(self, warm: Warm) -> None:
+        """A runner that ended while it waited: said in the log with how it ended, then removed."""
+        with anyio.move_on_after(2):  # what it wrote as it ended (nothing reads a waiting container's stream)
+            while await warm.prepared.read_some():
+                pass
+        how = await self._how_it_ended(warm.prepared.container_id)
+        log.warning(
+            "warm container %s: the runner ended while it waited (%s): %r",
+            warm.prepared.container_id[:12],
+            how,
+            warm.prepared.output.stderr.text()[:300],
+        )
+        await self._remove(warm)
 
     async def _remove(self, warm: Warm) -> None:
         warm.prepared.sock.close()

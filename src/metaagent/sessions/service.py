@@ -100,6 +100,7 @@ class Session:
     resources: AsyncExitStack = field(default_factory=AsyncExitStack)
     retired: anyio.Event = field(default_factory=anyio.Event)
     container_path: str = "cold"
+    security: dict[str, Any] = field(default_factory=dict)  # the container's, as its audit record gives it
 
     def expires_at(self) -> datetime:
         idle = self.last_used_at + timedelta(seconds=self.config.idle_timeout_s)
@@ -259,6 +260,7 @@ class Sessions:
             caller=caller,
             container_id=session.container.container_id if session.container else None,
             container_path=session.container_path,
+            security=session.security,
             limits={
                 "memory_mb": request.memory_mb,
                 "cpus": interpreter.cpus,
@@ -299,17 +301,19 @@ class Sessions:
             )
         warm = None
         if request.memory_mb == interpreter.pool.memory_mb and not request.packages and network is None:
-            warm = interpreter.pool.take(image_ref)
+            warm = await interpreter.pool.take_or_wait(image_ref)
         if warm is not None:
             interpreter.pool.finished()  # a session keeps its container: the pool replaces it now
             prepared = warm.prepared
             session.container_path = "warm"
+            session.security = warm.spec.security_context()
         else:
             mounts = (*(network.mounts if network else ()), *((packages.mount(),) if packages else ()))
             spec = container_spec(
                 new_execution_id(), image_ref, request.memory_mb, interpreter.cpus, mounts=mounts,
                 workspace_mb=self.workspace_mb, runtime=await interpreter.runtime_in_force(image_ref),
             )  # fmt: skip
+            session.security = spec.security_context()
             prepared = await prepare(self.engine, spec, start=True)
             try:
                 if not await wait_ready(prepared):

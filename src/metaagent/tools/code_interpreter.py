@@ -254,7 +254,7 @@ class CodeInterpreter:
             self.admission.slot() as queued_s,
         ):
             self._refuse_if_closing()  # the service may have begun to stop while this execution was queued
-            warm = self._take_warm(request, image_ref)
+            warm = await self._take_warm(request, image_ref)
             execution_id = warm.execution_id if warm else new_execution_id()
             execution = Execution(execution_id, request.timeout_s, request.memory_mb, caller=caller)
             if self.network is not None and allowlist is not None:
@@ -322,11 +322,11 @@ class CodeInterpreter:
         if self.closing:
             raise Unavailable("The service is shutting down; retry on another instance")
 
-    def _take_warm(self, request: CodeInterpreterRequest, image_ref: str) -> Warm | None:
+    async def _take_warm(self, request: CodeInterpreterRequest, image_ref: str) -> Warm | None:
         """A pooled container when the request is for the pool's configuration (and one is ready)."""
         if request.memory_mb != self.pool.memory_mb or request.packages or request.network is not None:
             return None
-        return self.pool.take(image_ref)
+        return await self.pool.take_or_wait(image_ref)
 
     def check_packages(self, requested: list[str]) -> dict[str, str]:
         """The npm dependencies a request's packages come to; a 400 before anything runs otherwise."""
