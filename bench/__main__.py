@@ -1,4 +1,4 @@
-"""`python -m bench` (or `scripts/bench`): every benchmark of issues 8 and 17 in one run on this machine.
+"""`python -m bench` (or `scripts/bench`): every benchmark of issues 8, 15, 17 and 18 in one run on this machine.
 
 Prints the tables and the targets, and writes everything (samples included) with the machine's
 description to bench/results/latest.json. `--quick` is a smoke run: the same code, few iterations.
@@ -18,7 +18,7 @@ from typing import Any
 
 import docker
 
-from bench import allowlist_rate, benign, http_tool, latency, phases, sequential, throughput
+from bench import allowlist_rate, benign, http_tool, latency, phases, sequential, sessions, throughput
 from bench.baselines import BENCH_LABEL, DEFAULT_EPICBOX_VENV, Epicbox, ensure_epicbox_venv
 from bench.machine import REPO, describe, load_average, node_path
 from bench.report import render, targets
@@ -27,7 +27,7 @@ from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.runtime import RUNSC, registration_problem
 from metaagent.settings import Settings
 
-SECTIONS = ("allowlist", "benign", "http", "latency", "phases", "sequential", "throughput")
+SECTIONS = ("allowlist", "benign", "http", "latency", "phases", "sequential", "sessions", "throughput")
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "latest.json"
 
 
@@ -59,6 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--runsc-concurrency", type=_csv(int), default=[4], help="throughput levels under runsc (default 4)"
     )
+    parser.add_argument("--session-rounds", type=int, help="rounds of session calls and creations (default 30)")
+    parser.add_argument("--session-transfers", type=int, help="10 MiB uploads and downloads (default 5)")
+    parser.add_argument("--idle-sessions", type=int, help="sessions open and idle at once (default 20)")
+    parser.add_argument("--idle-seconds", type=float, help="how long they stay idle, measured (default 10)")
     parser.add_argument("--no-runsc", action="store_true", help="leave the runsc (gVisor) rows out")
     parser.add_argument("--no-epicbox", action="store_true", help="leave epicbox out of the latency table")
     parser.add_argument("--epicbox-venv", type=Path, default=DEFAULT_EPICBOX_VENV, help="epicbox's own venv")
@@ -76,6 +80,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("allowlist_seconds", 1.0, 0.2),
         ("phase_iterations", 10, 3),
         ("benign_rounds", 2, 1),
+        ("session_rounds", 30, 5),
+        ("session_transfers", 5, 1),
+        ("idle_sessions", 20, 4),
+        ("idle_seconds", 10.0, 2.0),
         ("sequential_calls", 30, 5),
     ]:
         if getattr(args, name) is None:
@@ -129,6 +137,34 @@ def _throughput(
     return {"duration_s": args.duration, "levels": levels, "runsc_levels": runsc_levels}
 
 
+def _sessions(stack: ExitStack, runsc_problem: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    """The sessions section per runtime, each against a service of its own (started here, stopped at the
+    end of the run): runc, and runsc unless it cannot run here."""
+    measured = {}
+    for runtime in ["runc"] + ([] if runsc_problem else [RUNSC.name]):
+        progress(f"starting the sessions service ({runtime})")
+        service = stack.enter_context(
+            BenchService(
+                "sessions" if runtime == "runc" else f"sessions-{runtime}",
+                METAAGENT_SANDBOX_RUNTIME=runtime,
+                METAAGENT_SESSION_MAX=str(args.idle_sessions + 4),  # the idle sessions and the measured ones
+            )
+        )
+        service.wait_pool_full()
+        measured[runtime] = sessions.measure(
+            service,
+            node=node_path(),
+            rounds=args.session_rounds,
+            warmup=args.warmup,
+            transfers=args.session_transfers,
+            idle_sessions=args.idle_sessions,
+            idle_seconds=args.idle_seconds,
+            progress=progress,
+        )
+        service.stop()  # its containers gone before the next runtime's are measured
+    return measured
+
+
 def _runsc_usable(client: docker.DockerClient) -> str | None:
     """None when the engine can run runsc containers as the service needs; otherwise why not."""
     runtimes = {
@@ -160,6 +196,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benign_rounds": args.benign_rounds,
         "benign_runtimes": args.benign_runtimes,
         "runsc_concurrency": args.runsc_concurrency,
+        "session_rounds": args.session_rounds,
+        "session_transfers": args.session_transfers,
+        "idle_sessions": args.idle_sessions,
+        "idle_seconds": args.idle_seconds,
     }
     runsc_problem = "--no-runsc" if args.no_runsc else _runsc_usable(client)
     results["config"]["runsc"] = runsc_problem or "measured"
@@ -253,6 +293,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["phases"] = phases.measure(
                 image=image, cpus=cpus, iterations=args.phase_iterations, warmup=args.warmup, progress=progress
             )
+
+        if "sessions" in only:
+            results["sessions"] = _sessions(stack, runsc_problem, args)
 
         if "throughput" in only and pooled is not None:
             results["throughput"] = _throughput(pooled, pooled_runsc, image, cpus, args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from bench import sessions
 from bench.latency import COLD, COLD_RUNSC, DOCKER_RUN, EPICBOX, NODE, POOLED, POOLED_RUNSC
 from bench.stats import Target, format_number, ratio
 
@@ -44,6 +45,41 @@ def _benign_ratio(results: dict[str, Any]) -> float | None:
     return ratio(totals["runsc"]["p50"], totals["runc"]["p50"])
 
 
+def _session_ratio(results: dict[str, Any], name: str, runtime: str = "runc") -> float | None:
+    """A sessions row's p50 over bare node -e's, both of the sessions section's own rounds."""
+    summaries = results.get("sessions", {}).get(runtime, {}).get("summaries", {})
+    if name not in summaries or sessions.NODE not in summaries:
+        return None
+    return ratio(summaries[name]["p50"], summaries[sessions.NODE]["p50"])
+
+
+def _session_files(results: dict[str, Any], key: str, runtime: str = "runc") -> float | None:
+    value = results.get("sessions", {}).get(runtime, {}).get("files", {}).get(key)
+    return None if value is None else float(value)
+
+
+def _session_targets(results: dict[str, Any], runtime: str) -> list[Target]:
+    """Issue 15's targets on one runtime's sessions section (runsc's named so; both are judged, as runsc
+    is the runtime in force wherever it works)."""
+    prefix = "" if runtime == "runc" else f"{runtime}: "
+    call, create = _session_ratio(results, sessions.CALL, runtime), _session_ratio(results, sessions.CREATE, runtime)
+    return [
+        Target(f"{prefix}session call (1+1) p50 / node -e p50", call, "<=", 0.25, "x"),
+        Target(f"{prefix}POST /sessions, pool warm, p50 / node -e p50", create, "<=", 1, "x"),
+        Target(f"{prefix}session: 10 MiB upload", _session_files(results, "upload_mib_s", runtime), ">=", 50, "MiB/s"),
+        Target(
+            f"{prefix}session: 10 MiB download", _session_files(results, "download_mib_s", runtime), ">=", 50, "MiB/s"
+        ),
+        Target(
+            f"{prefix}session: service RSS growth / file size",
+            _session_files(results, "growth_per_file", runtime),
+            "<",
+            3,
+            "x",
+        ),
+    ]
+
+
 def _sequential(results: dict[str, Any], runtime: str, key: str) -> float | None:
     measured = results.get("sequential", {}).get("runtimes", {}).get(runtime)
     return None if measured is None else float(measured[key])
@@ -75,6 +111,7 @@ def targets(results: dict[str, Any]) -> list[Target]:
         Target(
             "runsc: back-to-back calls p50 / node -e p50", _sequential(results, "runsc", "p50_ratio"), "<=", 1.5, "x"
         ),
+        *(target for runtime in ("runc", "runsc") for target in _session_targets(results, runtime)),
     ]
 
 
@@ -205,11 +242,14 @@ def render(results: dict[str, Any]) -> str:
             f"Where a pooled execution's time goes (in-process, {phases['iterations']} executions)\n"
             + table(["phase", "p50", "p95"], rows)
         )
+    sessions_part = sessions_table(results)
+    if sessions_part:
+        parts.append(sessions_part)
     rows = [
         [t.name, format_number(t.measured, t.unit), f"{t.comparison} {format_number(t.bound, t.unit)}", t.verdict]
         for t in targets(results)
     ]
-    parts.append("Targets (issues 8, 17 and 18)\n" + table(["target", "measured", "target", "verdict"], rows))
+    parts.append("Targets (issues 8, 15, 17 and 18)\n" + table(["target", "measured", "target", "verdict"], rows))
     return "\n\n".join(parts)
 
 
@@ -259,4 +299,54 @@ def runtimes_table(results: dict[str, Any]) -> str | None:
         return None
     return "Isolation runtimes: runsc (gVisor) beside runc\n" + table(
         ["measure", "runc", "runsc", "runsc / runc"], rows
+    )
+
+
+def _mib(kib: float | None) -> str:
+    return "-" if kib is None else f"{kib / 1024:.1f} MiB"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def _session_rows(results: dict[str, Any], runtime: str) -> list[tuple[str, str]]:
+    """(label, figure) of one runtime's sessions section, in the table's order."""
+    found: dict[str, Any] = results["sessions"][runtime]
+    summaries, files, idle = found["summaries"], found["files"], found["idle"]
+    count = idle["sessions"]
+    return [
+        *(
+            (f"{name}, {key}", format_number(summaries[name][key], "ms"))
+            for name in (sessions.CALL, sessions.CREATE, sessions.NODE)
+            for key in ("p50", "p95")
+        ),
+        ("call p50 / node -e p50", format_number(_session_ratio(results, sessions.CALL, runtime), "x")),
+        ("POST /sessions p50 / node -e p50", format_number(_session_ratio(results, sessions.CREATE, runtime), "x")),
+        ("the created sessions' paths (audit log)", str(found["create_paths"])),
+        ("10 MiB upload, p50", format_number(files["upload_mib_s"], "MiB/s")),
+        ("10 MiB download, p50", format_number(files["download_mib_s"], "MiB/s")),
+        ("service RSS before the transfers", _mib(files["rss_before_kib"])),
+        ("service RSS peak during them", _mib(files["rss_peak_kib"])),
+        ("RSS growth / file size", format_number(files["growth_per_file"], "x")),
+        (f"service CPU, no session, {idle['seconds']:g} s", _seconds(idle["service_cpu_s_alone"])),
+        (f"service CPU, {count} sessions idle as long", _seconds(idle["service_cpu_s"])),
+        (f"the {count} containers' CPU, together", _seconds(idle["containers_cpu_s"])),
+        ("the busiest container's CPU", _seconds(idle["container_cpu_s_max"])),
+        ("service RSS before they open", _mib(idle["rss_kib"]["before"])),
+        ("service RSS, all open", _mib(idle["rss_kib"]["open"])),
+        ("service RSS after the idle period", _mib(idle["rss_kib"]["after_idle"])),
+    ]
+
+
+def sessions_table(results: dict[str, Any]) -> str | None:
+    """The sessions section, one column per runtime measured."""
+    runtimes = list(results.get("sessions", {}))
+    if not runtimes:
+        return None
+    columns = [_session_rows(results, runtime) for runtime in runtimes]
+    rows = [[label, *(column[index][1] for column in columns)] for index, (label, _) in enumerate(columns[0])]
+    rounds = results["sessions"][runtimes[0]]["rounds"]
+    return f"Sessions ({rounds} rounds, shuffled order; a service of their own per runtime)\n" + table(
+        ["measure", *runtimes], rows
     )

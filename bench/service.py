@@ -131,6 +131,17 @@ class BenchService:
                 raise RuntimeError(f"the {self.name} service's warm pool did not fill: {pool}\n{self.log_tail()}")
             time.sleep(0.01)
 
+    def session_records(self) -> dict[str, dict[str, Any]]:
+        """session_id -> its `session.created` audit record (container_id, container_path...)."""
+        records: dict[str, dict[str, Any]] = {}
+        if not self.audit_log.exists():
+            return records
+        for line in self.audit_log.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("event") == "session.created":
+                records[str(record.get("session_id"))] = record
+        return records
+
     def container_paths(self) -> dict[str, str]:
         """execution_id -> "warm" or "cold", from the audit log."""
         paths: dict[str, str] = {}

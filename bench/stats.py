@@ -59,11 +59,11 @@ def ratio(numerator: float, denominator: float) -> float:
 
 @dataclass(frozen=True)
 class Target:
-    """One of the issue's targets: `measured` must be at most (`<=`) or at least (`>=`) `bound`."""
+    """One of the issue's targets: `measured` must be at most (`<=`), below (`<`) or at least (`>=`) `bound`."""
 
     name: str
     measured: float | None  # None: the rows it needs were not measured in this run
-    comparison: Literal["<=", ">="]
+    comparison: Literal["<=", "<", ">="]
     bound: float
     unit: str  # "x" for a ratio, else the unit of an absolute figure ("ms", "/s")
 
@@ -71,7 +71,10 @@ class Target:
     def verdict(self) -> Literal["pass", "miss", "n/a"]:
         if self.measured is None or math.isnan(self.measured):
             return "n/a"
-        ok = self.measured <= self.bound if self.comparison == "<=" else self.measured >= self.bound
+        if self.comparison == "<":
+            ok = self.measured < self.bound
+        else:
+            ok = self.measured <= self.bound if self.comparison == "<=" else self.measured >= self.bound
         return "pass" if ok else "miss"
 
     def as_dict(self) -> dict[str, object]:

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Annotated, TextIO
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 import uvicorn
 
 from metaagent.errors import ConfigError, EgressRefused
 from metaagent.settings import Settings
+from metaagent.terminal import Terminal
 
 if TYPE_CHECKING:
     from socket import socket
@@ -140,7 +140,7 @@ def run(
         message, _details = describe_validation_errors(exc.errors())
         raise _fail(f"metaagent: {file} cannot run: {message}") from None
 
-    terminal = _Terminal()
+    terminal = Terminal()
     caught: list[int] = []
 
     async def execute() -> int:
@@ -162,10 +162,7 @@ def run(
             result = await interpreter(request, caller="cli", sink=terminal)
         finally:
             engine.close()
-        for stream, text in (("stdout", result.stdout), ("stderr", result.stderr)):
-            marker = text[terminal.printed[stream] :].strip().strip("[]")
-            if marker:  # the truncation marker: the tool says it, the program's output stays the program's
-                terminal.say(marker.replace("output truncated", f"{stream} truncated", 1))
+        terminal.finish({"stdout": result.stdout, "stderr": result.stderr})  # the truncation markers
         if result.timed_out:
             terminal.say(f"timed out after {timeout} s")
         if result.oom_killed:
@@ -216,53 +213,31 @@ def run(
     raise typer.Exit(status)
 
 
-class _Terminal:
-    """`metaagent run`'s output sink: the program's output as it comes, on its own stream; the tool's words apart.
+@app.command(
+    epilog="On a terminal a block ends with its line once its brackets, template literals and comments are "
+    "closed (until then the prompt is `... `; .break drops it). From a pipe or a file, a block is everything "
+    "up to a blank line. Ctrl-C interrupts a running call (on a terminal); .exit, Ctrl-D or the end of the "
+    "input closes the session."
+)
+def repl(
+    url: Annotated[str, typer.Option(help="The running service.")] = "http://127.0.0.1:3102",
+    key: Annotated[str | None, typer.Option(help="API key (sent as Authorization: Bearer).")] = None,
+    timeout: Annotated[int, typer.Option(min=1, max=300, help="Timeout of each call in seconds.")] = 8,
+    memory: Annotated[int | None, typer.Option(min=64, max=1024, help="The session's memory limit in MiB.")] = None,
+    idle_timeout: Annotated[
+        int | None, typer.Option(min=10, max=3600, help="Close the session after this long idle (seconds).")
+    ] = None,
+    package: Annotated[list[str] | None, typer.Option(help="An npm package for the session (repeatable).")] = None,
+) -> None:
+    """A JavaScript REPL in a session of a running service: state persists from one input to the next."""
+    from metaagent.client import Client
+    from metaagent.repl import Repl
 
-    Output is capped (50 KiB and 25 KiB), so a pipe that nobody reads cannot block these writes for long.
-    A pipe whose reader went away (`metaagent run x.js | head -1`) stops the run, as SIGPIPE stops a
-    program in a shell pipeline: `on_reader_gone` is called once, and nothing more is written.
-    """
-
-    def __init__(self) -> None:
-        self.printed = {"stdout": 0, "stderr": 0}  # characters of each stream printed
-        self.on_reader_gone: Callable[[], None] = lambda: None
-        self._reader_gone = False
-        self._line_start = True
-
-    def started(self) -> None:
-        pass
-
-    def output(self, stream: str, text: str) -> None:
-        if self._write(sys.stdout if stream == "stdout" else sys.stderr, text):
-            self.printed[stream] += len(text)
-            self._line_start = text.endswith("\n")
-
-    def say(self, message: str) -> None:
-        """One line of the tool's own on stderr, `metaagent: ` first, never glued to the program's last line."""
-        if self._write(sys.stderr, ("" if self._line_start else "\n") + f"metaagent: {message}\n"):
-            self._line_start = True
-
-    def _write(self, target: TextIO, text: str) -> bool:
-        if self._reader_gone:
-            return False
-        try:
-            target.write(text)
-            target.flush()
-        except BrokenPipeError:
-            self._reader_gone = True
-            _discard_further_writes(target)
-            self.on_reader_gone()
-            return False
-        return True
-
-
-def _discard_further_writes(target: TextIO) -> None:
-    """Points the stream at /dev/null, so that what is still buffered cannot fail again at exit."""
-    with suppress(OSError, ValueError):  # not a real file (a test's capture): nothing left to fail
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, target.fileno())
-        os.close(devnull)
+    config = {"memory_mb": memory, "idle_timeout_s": idle_timeout, "packages": package or None}
+    with Client(url, api_key=key) as client:
+        session = Repl(client, config, timeout, interactive=sys.stdin is not None and sys.stdin.isatty())
+        status = session.run()
+    raise typer.Exit(status)
 
 
 @sandbox_app.command("build")

@@ -19,7 +19,9 @@ and extra fields (`.extra`, e.g. `host`). Network failures raise httpx2's `Trans
             print(event.result["exit_code"])  # the body code_interpreter() would have returned
 
 (`async for` with `AsyncClient`). The last event is `Finished`; a failure after the start raises
-ServiceError. Leaving the loop early hangs up, which kills the execution.
+ServiceError. Leaving the loop early hangs up, which kills the execution. `session.stream(code)` (and
+`stream_session_execute(session_id, code)`) streams a session's call the same way; leaving it early
+interrupts the call, and the session keeps its state.
 """
 
 from __future__ import annotations
@@ -157,6 +159,10 @@ def _code_call(
     return _Call("POST", "/tools/code-interpreter", fields)
 
 
+def _session_call(session_id: str, code: str, timeout_s: int | None) -> _Call:
+    return _Call("POST", f"{_session(session_id)}/execute", _fields(code=code, timeout_s=timeout_s))
+
+
 class _Endpoints(Generic[Result]):
     """Every endpoint of API.md, once; `_send` runs a call (blocking, or as an awaitable)."""
 
@@ -246,9 +252,13 @@ class _Endpoints(Generic[Result]):
         """`GET /sessions`: `{"sessions": [...]}`, the caller's open sessions."""
         return self._send(_Call("GET", "/sessions"))
 
+    def session_record(self, session_id: str) -> Result:
+        """`GET /sessions/{id}`: the session's record (ServiceError 410, with the reason, once it has ended)."""
+        return self._send(_Call("GET", _session(session_id)))
+
     def session_execute(self, session_id: str, code: str, *, timeout_s: int | None = None) -> Result:
         """`POST /sessions/{id}/execute`: run code in the session; its state persists."""
-        return self._send(_Call("POST", f"{_session(session_id)}/execute", _fields(code=code, timeout_s=timeout_s)))
+        return self._send(_session_call(session_id, code, timeout_s))
 
     def close_session(self, session_id: str) -> Result:
         """`DELETE /sessions/{id}`: `{"session_id": ..., "closed": true}`; the container is gone."""
@@ -290,7 +300,16 @@ class Client(_Endpoints[dict[str, Any]]):
         network: dict[str, Any] | None = None,
     ) -> Iterator[StreamEvent]:
         """`POST /tools/code-interpreter` with `Accept: text/event-stream`: the output as it comes, then `Finished`."""
-        call = _code_call(code, timeout_s, memory_mb, packages, stdin, network)
+        return self._stream(_code_call(code, timeout_s, memory_mb, packages, stdin, network))
+
+    def stream_session_execute(
+        self, session_id: str, code: str, *, timeout_s: int | None = None
+    ) -> Iterator[StreamEvent]:
+        """`POST /sessions/{id}/execute` streamed: the output as it comes, then `Finished` (leaving early interrupts
+        the call; the session lives on)."""
+        return self._stream(_session_call(session_id, code, timeout_s))
+
+    def _stream(self, call: _Call) -> Iterator[StreamEvent]:
         with self._http.stream(call.method, call.path, json=call.body, headers={"Accept": EVENT_STREAM}) as response:
             if not _is_event_stream(response):
                 response.read()
@@ -357,7 +376,7 @@ class AsyncClient(_Endpoints[Awaitable[dict[str, Any]]]):
     def _send(self, call: _Call) -> Awaitable[dict[str, Any]]:
         return self._request(call)
 
-    async def stream_code(
+    def stream_code(
         self,
         code: str,
         *,
@@ -368,7 +387,15 @@ class AsyncClient(_Endpoints[Awaitable[dict[str, Any]]]):
         network: dict[str, Any] | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """`POST /tools/code-interpreter` with `Accept: text/event-stream`: the output as it comes, then `Finished`."""
-        call = _code_call(code, timeout_s, memory_mb, packages, stdin, network)
+        return self._stream(_code_call(code, timeout_s, memory_mb, packages, stdin, network))
+
+    def stream_session_execute(
+        self, session_id: str, code: str, *, timeout_s: int | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        """`POST /sessions/{id}/execute` streamed (as `Client.stream_session_execute`)."""
+        return self._stream(_session_call(session_id, code, timeout_s))
+
+    async def _stream(self, call: _Call) -> AsyncIterator[StreamEvent]:
         headers = {"Accept": EVENT_STREAM}
         async with self._http.stream(call.method, call.path, json=call.body, headers=headers) as response:
             if not _is_event_stream(response):
@@ -426,6 +453,10 @@ class Session:
         """Runs code in the session; the answer has `result` (the last expression, as the REPL shows it)."""
         return self.client.session_execute(self.id, code, timeout_s=timeout_s)
 
+    def stream(self, code: str, *, timeout_s: int | None = None) -> Iterator[StreamEvent]:
+        """`execute` with the output as it comes, then `Finished` (see `Client.stream_code`)."""
+        return self.client.stream_session_execute(self.id, code, timeout_s=timeout_s)
+
     def upload(self, path: str, data: bytes) -> dict[str, Any]:
         return self.client.upload(self.id, path, data)
 
@@ -449,6 +480,9 @@ class AsyncSession:
 
     async def execute(self, code: str, *, timeout_s: int | None = None) -> dict[str, Any]:
         return await self.client.session_execute(self.id, code, timeout_s=timeout_s)
+
+    def stream(self, code: str, *, timeout_s: int | None = None) -> AsyncIterator[StreamEvent]:
+        return self.client.stream_session_execute(self.id, code, timeout_s=timeout_s)
 
     async def upload(self, path: str, data: bytes) -> dict[str, Any]:
         return await self.client.upload(self.id, path, data)

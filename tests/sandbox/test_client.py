@@ -6,11 +6,14 @@ import threading
 import time
 from typing import Any
 
+import anyio
 import pytest
 
 import metaagent
+from metaagent.client import Finished, Output
 from metaagent.errors import ServiceError
 from tests.sandbox.conftest import Service
+from tests.sandbox.test_streaming import running_execution
 
 pytestmark = pytest.mark.docker
 
@@ -69,9 +72,14 @@ def test_client_session_shares_state_and_files_and_closes_on_exit(sandbox_servic
             session.download("sum.txt")
         assert missing.value.status_code == 404
         session_id = session.id
-    with metaagent.Client(sandbox_service.base_url) as client, pytest.raises(ServiceError) as gone:
-        client.session_execute(session_id, "total")
-    assert gone.value.status_code == 410
+        assert client.session_record(session_id)["executions"] == 2
+    with metaagent.Client(sandbox_service.base_url) as client:
+        with pytest.raises(ServiceError) as gone:
+            client.session_execute(session_id, "total")
+        with pytest.raises(ServiceError) as ended:
+            client.session_record(session_id)
+    assert gone.value.status_code == ended.value.status_code == 410
+    assert ended.value.extra["reason"] == "closed"
 
 
 async def test_async_client_session_runs_calls_and_moves_files(sandbox_service: Service) -> None:
@@ -81,3 +89,40 @@ async def test_async_client_session_runs_calls_and_moves_files(sandbox_service: 
         await session.upload("a b/ü.txt", "grüße".encode())
         assert (await session.download("a b/ü.txt")).decode() == "grüße"
         assert [f["path"] for f in await session.files()] == ["a b/ü.txt"]
+
+
+def test_a_session_call_streams_its_output_then_finishes_with_the_result(sandbox_service: Service) -> None:
+    with metaagent.Client(sandbox_service.base_url) as client, client.session() as session:
+        session.execute("let n = 40")
+        events = list(session.stream("console.log('one'); console.error('two'); n + 2", timeout_s=10))
+        with pytest.raises(ServiceError) as refused:
+            list(client.stream_session_execute("ses_unknown", "1"))
+    assert events == [Output("stdout", "one\n"), Output("stderr", "two\n"), events[-1]]
+    assert isinstance(events[-1], Finished)
+    assert events[-1].result["result"] == "42"
+    assert events[-1].result["session_id"] == session.id
+    assert refused.value.status_code == 404
+
+
+async def test_leaving_a_streamed_session_call_early_interrupts_it_and_the_session_lives_on(
+    sandbox_service: Service,
+) -> None:
+    async with metaagent.AsyncClient(sandbox_service.base_url) as client, client.session() as session:
+        await session.execute("let kept = 'state'")
+        endless = session.stream(
+            "setInterval(() => console.log('tick'), 100); await new Promise(() => {})", timeout_s=61
+        )
+        async for event in endless:
+            assert event == Output("stdout", "tick\n")
+            running_execution(sandbox_service, 61)
+            break
+        await endless.aclose()  # hangs up: the service interrupts the call, long before its 61 s
+        for _ in range(300):
+            if not any(e["timeout_s"] == 61 for e in (await client.executions())["executions"]):
+                break
+            await anyio.sleep(0.05)
+        else:
+            raise AssertionError("the call ran on after the client hung up")
+        after = await session.execute("kept")
+    assert after["result"] == "'state'"
+    assert after["session_ended"] is False

@@ -102,3 +102,40 @@ async def test_a_refusal_with_a_progress_token_is_the_same_tool_error(sandbox_se
     assert with_progress.is_error is without.is_error is True
     assert text_of(with_progress) == text_of(without)
     assert "not-on-the-list" in text_of(with_progress)
+
+
+async def test_tools_list_offers_the_session_tools_and_a_session_id_on_code_interpreter(
+    sandbox_service: Service,
+) -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with Client(f"{sandbox_service.base_url}/mcp") as client:
+            listed = {tool.name: tool for tool in (await client.list_tools()).tools}
+    assert {"session_create", "session_close"} <= set(listed)
+    assert "session_id" in listed["code_interpreter"].input_schema["properties"]
+    assert listed["session_close"].input_schema["required"] == ["session_id"]
+
+
+async def test_a_session_over_mcp_keeps_state_between_calls_and_a_call_after_close_is_a_tool_error(
+    sandbox_service: Service,
+) -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with Client(f"{sandbox_service.base_url}/mcp") as client:
+            created = await client.call_tool("session_create", {})
+            assert created.is_error is False, text_of(created)
+            assert created.structured_content is not None
+            session_id = created.structured_content["session_id"]
+            define = await client.call_tool("code_interpreter", {"code": "let x = 41", "session_id": session_id})
+            use = await client.call_tool("code_interpreter", {"code": "x + 1", "session_id": session_id})
+            closed = await client.call_tool("session_close", {"session_id": session_id})
+            after = await client.call_tool("code_interpreter", {"code": "x", "session_id": session_id})
+    assert session_id.startswith("ses_")
+    assert define.is_error is use.is_error is False
+    assert define.structured_content is not None
+    assert use.structured_content is not None
+    assert define.structured_content["result"] is None  # `let x = 41` shows undefined, as in the REPL
+    assert use.structured_content["result"] == "42"
+    assert use.structured_content["session_id"] == session_id
+    assert closed.structured_content == {"session_id": session_id, "closed": True}
+    assert after.is_error is True
+    assert text_of(after) == f"Session {session_id} has ended: closed"
+    assert sandbox_service.get(f"/sessions/{session_id}").status_code == 410

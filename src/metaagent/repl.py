@@ -1,0 +1,312 @@
+"""`metaagent repl`: an interactive JavaScript REPL in a session of a running service.
+
+The input is cut into blocks, one call each:
+- on a terminal, a block ends at the end of a line once every bracket, template literal and block comment
+  in it is closed, as the Node.js REPL decides for most input (`needs_more`); until then the prompt is
+  `... `. `.break` (or Ctrl-C) drops an unfinished block;
+- from a pipe or a file, a block is everything up to a blank line.
+
+Each call's output streams as it comes; then its `result` is printed the way the Node.js REPL prints it
+(`undefined` when the session answers none). `.exit` or the end of input closes the session, and so do
+Ctrl-C outside a terminal, SIGTERM and SIGHUP. On a terminal, Ctrl-C during a call interrupts the call
+(the client hangs up, which the service takes as an interrupt) and the session keeps its state.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import httpx2
+
+from metaagent.client import Client, Finished, Output, OutputDropped
+from metaagent.errors import ServiceError
+from metaagent.terminal import Terminal
+
+PROMPT = "> "
+CONTINUATION = "... "
+HELP = """.break   drop the unfinished block
+.exit    close the session and leave (as does Ctrl-D)
+.help    this list"""
+
+_CLOSERS = {"(": ")", "[": "]", "{": "}", "${": "}"}
+# After these a `/` starts a regular expression, not a division (the usual heuristic of JavaScript lexers).
+_REGEX_AFTER_PUNCTUATION = frozenset("(,=:[!&|?{};+-*%<>~^")
+_REGEX_AFTER_WORDS = frozenset(
+    {"return", "typeof", "instanceof", "in", "of", "new", "delete", "void", "throw", "case", "do", "else"}
+    | {"yield", "await"}
+)
+_OPEN = -1  # a scan that reached the end of the input inside its token
+
+
+def needs_more(source: str) -> bool:
+    """True while `source` has a bracket, template literal, block comment or continued string still open.
+
+    A closing bracket without its opener is a syntax error: the block is complete, and the service says so.
+    """
+    stack: list[str] = []  # the open "(", "[", "{", "`" and "${", innermost last
+    last = ""  # the last token outside strings and comments: a punctuation character or a word
+    i, n = 0, len(source)
+    while i < n:
+        c = source[i]
+        if stack and stack[-1] == "`":  # inside a template literal's text
+            if c == "\\":
+                i += 2
+            elif c == "`":
+                stack.pop()
+                last, i = "`", i + 1
+            elif source.startswith("${", i):
+                stack.append("${")
+                last, i = "{", i + 2
+            else:
+                i += 1
+            continue
+        if c.isspace():
+            i += 1
+        elif source.startswith("//", i):
+            end = source.find("\n", i)
+            i = n if end < 0 else end
+        elif source.startswith("/*", i):
+            end = source.find("*/", i + 2)
+            if end < 0:
+                return True
+            i = end + 2
+        elif c in "'\"" or (c == "/" and (not last or last in _REGEX_AFTER_PUNCTUATION or last in _REGEX_AFTER_WORDS)):
+            i = _skip_string(source, i) if c != "/" else _skip_regex(source, i)
+            if i == _OPEN:
+                return True
+            last = c
+        elif c == "`":
+            stack.append("`")
+            i += 1
+        elif c in "([{":
+            stack.append(c)
+            last, i = c, i + 1
+        elif c in ")]}":
+            if not stack or _CLOSERS[stack.pop()] != c:
+                return False
+            last, i = c, i + 1
+        elif c.isalnum() or c in "_$":
+            j = i + 1
+            while j < n and (source[j].isalnum() or source[j] in "_$"):
+                j += 1
+            last, i = source[i:j], j
+        else:
+            last, i = c, i + 1
+    return bool(stack)
+
+
+def _skip_string(source: str, start: int) -> int:
+    """The index after a quoted string; at a bare newline the string is unterminated (node says so);
+    `_OPEN` when a backslash continues it past the end of the input."""
+    quote, i = source[start], start + 1
+    while i < len(source):
+        if source[i] == "\\":
+            i += 2
+        elif source[i] == quote:
+            return i + 1
+        elif source[i] == "\n":
+            return i
+        else:
+            i += 1
+    return _OPEN
+
+
+def _skip_regex(source: str, start: int) -> int:
+    """The index after a regular expression literal and its flags (at a newline it was none: node says so)."""
+    in_class, i = False, start + 1
+    while i < len(source):
+        c = source[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "\n":
+            return i
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "/":
+            i += 1
+            while i < len(source) and (source[i].isalnum() or source[i] in "_$"):
+                i += 1
+            return i
+        i += 1
+    return len(source)
+
+
+def piped_blocks(lines: Iterable[str]) -> Iterator[str]:
+    """The blocks of input that is not a terminal: each runs up to a blank line; `.exit` ends the input."""
+    block: list[str] = []
+    for line in lines:
+        if line.strip():
+            if not block and line.strip() == ".exit":
+                return
+            block.append(line)
+        elif block:
+            yield "".join(block)
+            block = []
+    if block:
+        yield "".join(block)
+
+
+class _Stopped(BaseException):
+    """A signal that ends the REPL (SIGTERM, SIGHUP): the session is closed on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, _frame: FrameType | None) -> None:
+    raise _Stopped(signum)
+
+
+@dataclass
+class Repl:
+    """One REPL over one session: `run()` reads the blocks, makes the calls, and closes the session."""
+
+    client: Client
+    session_config: dict[str, Any]
+    timeout_s: int
+    interactive: bool
+    read_line: Callable[[str], str] = input
+    terminal: Terminal = field(default_factory=Terminal)
+    session_id: str = ""
+
+    def run(self) -> int:
+        """The exit status: 0, the status of a call that ended the session, 1 when the service refused or
+        went away, or 128 + the signal that ended the REPL."""
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _stop)
+        try:
+            record = self.client.create_session(**self.session_config)
+        except ServiceError as exc:
+            self.terminal.say(f"no session: {exc.message}")
+            return 1
+        except httpx2.TransportError as exc:
+            self.terminal.say(f"no session: the service does not answer ({exc})")
+            return 1
+        self.session_id = record["session_id"]
+        ends = ".exit or Ctrl-D closes it" if self.interactive else "the end of the input closes it"
+        self.terminal.say(
+            f"session {self.session_id} (memory {record['memory_mb']} MiB, idle timeout "
+            f"{record['idle_timeout_s']} s); {ends}"
+        )
+        try:
+            return self._calls()
+        except KeyboardInterrupt:
+            return 128 + signal.SIGINT
+        except _Stopped as stopped:
+            return 128 + stopped.signum
+        finally:
+            self._close()
+
+    def _calls(self) -> int:
+        blocks = self._terminal_blocks() if self.interactive else piped_blocks(sys.stdin)
+        for block in blocks:
+            status = self._call(block)
+            if status is not None:
+                return status
+        return 0
+
+    def _terminal_blocks(self) -> Iterator[str]:
+        """Blocks typed at the prompt; Ctrl-C drops the unfinished one, and twice on an empty prompt leaves."""
+        import readline  # noqa: F401  # line editing and history for input(), on a terminal only
+
+        lines: list[str] = []
+        interrupted = False
+        while True:
+            try:
+                line = self.read_line(CONTINUATION if lines else PROMPT)
+            except EOFError:
+                sys.stdout.write("\n")
+                return
+            except KeyboardInterrupt:
+                sys.stdout.write("\n")
+                if interrupted and not lines:
+                    return
+                if not lines:
+                    self.terminal.say("(to leave, press Ctrl-C again or Ctrl-D, or type .exit)")
+                interrupted, lines = not lines, []
+                continue
+            interrupted = False
+            command = line.strip()
+            if command in (".exit", ".break", ".help") and (command != ".exit" or not lines):
+                if command == ".exit":
+                    return
+                if command == ".help":
+                    print(HELP)
+                lines = []
+                continue
+            lines.append(line + "\n")
+            block = "".join(lines)
+            if block.strip() and not needs_more(block):
+                lines = []
+                yield block
+            elif not block.strip():
+                lines = []
+
+    def _call(self, code: str) -> int | None:
+        """Runs one block; None to go on, or the REPL's exit status."""
+        self.terminal.begin()
+        result: dict[str, Any] | None = None
+        try:
+            for event in self.client.stream_session_execute(self.session_id, code, timeout_s=self.timeout_s):
+                if isinstance(event, Output):
+                    self.terminal.output(event.stream, event.text)
+                elif isinstance(event, OutputDropped):
+                    self.terminal.say(event.message)
+                elif isinstance(event, Finished):
+                    result = event.result
+                if self.terminal.reader_gone:
+                    return 128 + signal.SIGPIPE
+        except KeyboardInterrupt:
+            if not self.interactive:
+                raise
+            self.terminal.output("stderr", "\n")  # past the terminal's ^C
+            self.terminal.say("interrupted; the session keeps its state")
+            return None
+        except ServiceError as exc:
+            self.terminal.say(exc.message)
+            return 1 if exc.status_code in (404, 410) else None  # the session is gone, or the call was refused
+        except httpx2.TransportError as exc:
+            self.terminal.say(f"the service does not answer ({exc})")
+            return 1
+        return self._show(result) if result is not None else None
+
+    def _show(self, result: dict[str, Any]) -> int | None:
+        """Prints what the stream did not bring, then the result as node's REPL does; the status if it ended."""
+        self.terminal.finish(result)
+        if result.get("exit_code") == 0:
+            shown = result.get("result")
+            newline = "" if self.terminal.at_line_start else "\n"
+            self.terminal.output("stdout", f"{newline}{'undefined' if shown is None else shown}\n")
+        if result.get("timed_out"):
+            self.terminal.say(f"interrupted at the timeout ({self.timeout_s} s)")
+        elif result.get("killed"):
+            self.terminal.say("the call was killed")
+        if not result.get("session_ended"):
+            return 128 + signal.SIGPIPE if self.terminal.reader_gone else None
+        try:
+            self.client.session_record(self.session_id)
+            self.terminal.say("the session ended")
+        except (ServiceError, httpx2.TransportError) as exc:  # its 410 names how the session ended
+            self.terminal.say(exc.message if isinstance(exc, ServiceError) else "the session ended")
+        code = result.get("exit_code")
+        return code if isinstance(code, int) and code != 0 else 1
+
+    def _close(self) -> None:
+        """Closes the session, whatever ended the REPL; a second Ctrl-C cannot cut this short."""
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            with suppress(ServiceError, httpx2.TransportError):  # ended already (410), or the service is gone
+                self.client.close_session(self.session_id)
+                self.terminal.say(f"session {self.session_id} closed")
+        finally:
+            signal.signal(signal.SIGINT, previous)
