@@ -124,6 +124,8 @@ def test_a_call_that_throws_answers_exit_1_with_the_error_and_the_session_lives_
     thrown = sessions.run(sid, "throw new Error('boom')")
     assert thrown["exit_code"] == 1
     assert "Uncaught Error: boom" in thrown["stderr"]
+    assert "/opt/metaagent" not in thrown["stderr"]  # the runner's frames are not the caller's business
+    assert "node:" not in thrown["stderr"]
     assert thrown["session_ended"] is False
     rejected = sessions.run(sid, "await Promise.reject(new TypeError('async boom'))")
     assert rejected["exit_code"] == 1

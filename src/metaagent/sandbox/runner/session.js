@@ -437,7 +437,9 @@ function runSession({ stdio, gate, initial, unixSockets }) {
 
 // Stack lines inside the runner and node's vm plumbing say nothing to the program's author.
 function cleanStack(stack) {
-  return stack.split('\n').filter((line) => !/^\s+at .*(\(node:|\(\/opt\/metaagent\/|at node:|at \/opt\/metaagent\/)/.test(line)).join('\n');
+  // A frame of node's or the runner's: `at f (node:...)`, `at f (/opt/metaagent/...)`, or the same without a name.
+  const internal = /^\s+at (?:.*\((?:node:|\/opt\/metaagent\/)|node:|\/opt\/metaagent\/)/;
+  return stack.split('\n').filter((line) => !internal.test(line)).join('\n');
 }
 
 module.exports = Object.freeze({ __proto__: null, runSession });
