@@ -588,6 +588,39 @@ def test_no_probe_tells_whether_a_path_exists(run_js_both: RunJs) -> None:
     ), out
 
 
+# net.Socket is reachable (through tty's prototype chain) and a socket made on a descriptor holds a native
+# Pipe handle. The handle's class makes more, whose bind() takes any path: a Unix socket file made where
+# the gated listen() refuses one, and an answer that differs between a folder that exists and one that does not.
+RAW_PIPE_BIND = """
+const Socket = Object.getPrototypeOf(require('tty').ReadStream);
+let Handle;
+try { Handle = new Socket({ fd: 0, readable: true, writable: false })._handle.constructor; } catch (e) { Handle = e; }
+const answer = (path) => {
+  try {
+    const status = new Handle(0).bind(path);
+    return status === 0 ? 'bound' : require('util').getSystemErrorName(status);
+  } catch (e) { return e.code; }
+};
+const answers = { existing: answer('/etc/x'), missing: answer('/no-such-folder/x'), tmp: answer('/tmp/s.sock') };
+console.log(JSON.stringify(answers));
+process.exit(0);
+"""
+
+
+@pytest.mark.security
+@pytest.mark.xfail(
+    strict=True,
+    reason="new net.Socket({fd: 0})._handle.constructor is node's Pipe, whose bind() takes any path: it makes "
+    "socket files and probes paths past the gated listen() (helper-11)",
+)
+def test_no_raw_pipe_handle_binds_a_path(run_js_both: RunJs) -> None:
+    result = run_js_both(RAW_PIPE_BIND)
+    assert result.exit_code == 0, output_of(result)
+    answers = json.loads(result.stdout.splitlines()[-1])
+    assert "bound" not in answers.values(), answers
+    assert answers["existing"] == answers["missing"], answers
+
+
 # Properties planted on Object.prototype ride along with every options object made as a literal: the gate
 # hands node only null-prototype options, so a forged V8 code cache or import callback is never used.
 PLANTED_OPTIONS = (

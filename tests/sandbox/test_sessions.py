@@ -505,6 +505,113 @@ def test_fs_works_inside_the_workspace_and_tmp_only(sessions: Sessions) -> None:
     assert "through fd 1\n" in result["stdout"]
 
 
+# --- objects the confined fs hands out ---------------------------------------------------------------------
+# The facade checks the paths its own functions take, but the streams, FileHandles and watchers it returns
+# are node's real ones: their classes, prototypes and symbol-keyed slots lead to the real fs, to any path
+# and to any descriptor. Each program below reports `held <code>` when the gate stops it, and what it
+# reached otherwise.
+
+FS_OBJECT_ESCAPE = """
+const fs = require('fs');
+const symbolOf = (object, name) => Object.getOwnPropertySymbols(object).find((s) => s.description === name);
+const readAll = (stream) => new Promise((ok, no) => {
+  let text = ''; stream.on('data', (d) => { text += d; }).on('end', () => ok(text)).on('error', no);
+});
+const attack = async () => {
+  ATTACK
+};
+let outcome;
+try { outcome = await attack(); } catch (e) { outcome = 'held ' + e.code; }
+outcome
+"""
+
+OBJECTS_ESCAPE = pytest.mark.xfail(
+    strict=True,
+    reason="fsgate.js hands out node's real streams, FileHandles and watchers, whose classes and slots reach "
+    "the real fs, any path and any descriptor (helper-11)",
+)
+FS_OBJECT_ESCAPES = {
+    # class X extends Original: Object.getPrototypeOf(X) is node's ReadStream, which takes any path.
+    "the-stream-class-parent": "return readAll(new (Object.getPrototypeOf(fs.ReadStream))('/etc/passwd'));",
+    # Every fs stream keeps the fs it reads with in a symbol-keyed slot: node's real module.
+    "the-real-fs-in-a-stream-slot": """
+        const stream = fs.createReadStream('/tmp/'); stream.destroy();
+        return stream[symbolOf(stream, 'kFs')].readFileSync('/etc/passwd', 'utf8');""",
+    # A FileHandle's descriptor is a symbol-keyed own property: rewritten, the handle's methods use any fd.
+    "a-filehandle-whose-descriptor-is-rewritten": """
+        const handle = await fs.promises.open('/tmp', 'r');
+        handle[symbolOf(handle, 'kFd')] = 0;
+        const fifo = (await handle.stat()).isFIFO();
+        return fifo ? 'reached fd 0, the runner\\'s request pipe' : 'held (not fd 0)';""",
+    # The FileHandle class, from any handle, wraps any descriptor.
+    "a-filehandle-made-for-another-descriptor": """
+        const handle = await fs.promises.open('/tmp', 'r');
+        const forged = new handle.constructor({ fd: 0, close() {} });
+        return (await forged.stat()).isFIFO() ? 'reached fd 0, the runner\\'s request pipe' : 'held (not fd 0)';""",
+    # An FSWatcher started through its own method takes any path: ENOENT or not says whether it exists.
+    "a-watcher-started-directly": """
+        const watcher = fs.watch('/tmp'); watcher.close();
+        const start = symbolOf(Object.getPrototypeOf(watcher), 'kFSWatchStart');
+        const probe = (path) => { try { new watcher.constructor()[start](path, false, false, 'utf8'); return 'exists'; }
+                                  catch (e) { return e.code; } };
+        return `probed /etc: ${probe('/etc')}, /nonexistent: ${probe('/nonexistent')}`;""",
+    # mkdtemp checks `${prefix}XXXXXX` but hands node the prefix itself, which says something else.
+    "a-mkdtemp-prefix-whose-tostring-lies": """
+        const prefix = Buffer.from('/nonexistent/x');
+        prefix.toString = () => '/tmp/x';
+        try { return 'made ' + fs.mkdtempSync(prefix); }
+        catch (e) {
+          return e.code === 'ERR_METAAGENT_PATH_REFUSED' ? 'held ' + e.code : 'reached /nonexistent: ' + e.code;
+        }""",
+}
+
+
+@pytest.mark.security
+@pytest.mark.parametrize(
+    "attack",
+    [
+        pytest.param(code, id=name, marks=[] if name == "a-mkdtemp-prefix-whose-tostring-lies" else [OBJECTS_ESCAPE])
+        for name, code in FS_OBJECT_ESCAPES.items()
+    ],
+)
+def test_what_the_confined_fs_hands_out_leads_to_no_other_path_or_descriptor(sessions: Sessions, attack: str) -> None:
+    result = sessions.run(sessions.create(), FS_OBJECT_ESCAPE.replace("ATTACK", attack))
+    assert result["exit_code"] == 0, result["stderr"]
+    assert result["result"].startswith("'held"), result["result"]
+
+
+@pytest.mark.security
+@pytest.mark.parametrize(
+    "code",
+    [
+        pytest.param("require('fs').writeFileSync(1, 'through writeFile\\n'); 'after'", id="writeFileSync"),
+        pytest.param("require('fs').appendFileSync(1, 'through writeFile\\n'); 'after'", id="appendFileSync"),
+        pytest.param(
+            "const out = require('fs').createWriteStream(null, { fd: 1 });"
+            " await new Promise((ok) => out.end('through writeFile\\n', ok)); 'after'",
+            id="createWriteStream-fd",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a stream with {fd} writes through node's real fs, not the facade, so fd 1 is the runner's "
+                "real stdout (helper-11)",
+            ),
+        ),
+    ],
+)
+def test_writes_to_fd_1_by_any_fs_function_are_the_programs_stdout(sessions: Sessions, code: str) -> None:
+    result = sessions.run(sessions.create(), code)
+    assert result["session_ended"] is False
+    assert result["stdout"] == "through writeFile\n"
+    assert result["result"] == "'after'"
+
+
+@pytest.mark.security
+def test_reading_fd_0_by_any_fs_function_sees_an_empty_stdin(sessions: Sessions) -> None:
+    result = sessions.run(sessions.create(), "JSON.stringify(require('fs').readFileSync(0, 'utf8'))", timeout_s=2)
+    assert result["timed_out"] is False
+    assert result["result"] == "'\"\"'"
+
+
 # --- hostile code --------------------------------------------------------------------------------------------
 
 

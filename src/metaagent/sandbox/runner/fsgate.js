@@ -39,8 +39,10 @@ const PromiseReject = Promise.reject.bind(Promise);
 const PromisePrototypeThen = Promise.prototype.then;
 const StringPrototypeStartsWith = String.prototype.startsWith;
 const StringPrototypeIndexOf = String.prototype.indexOf;
+const StringPrototypeSlice = String.prototype.slice;
 const BufferIsBuffer = Buffer.isBuffer;
 const BufferFrom = Buffer.from;
+const BufferAlloc = Buffer.alloc;
 const ArrayBufferIsView = ArrayBuffer.isView;
 const TextDecoderCtor = TextDecoder;
 const nextTick = process.nextTick;
@@ -103,8 +105,8 @@ function createFsGate(roots, stdio) {
     return false;
   }
 
-  // The absolute, normalised path a path argument names, or throws the refusal.
-  function checkedPath(value, what, callee) {
+  // The text a path argument names (a string, UTF-8 bytes or a file: URL), or throws the refusal.
+  function pathText(value, what, callee) {
     let text;
     if (typeof value === 'string') {
       text = value;
@@ -123,6 +125,12 @@ function createFsGate(roots, stdio) {
     } else {
       throw refusal(what, 'a path must be a string, a Buffer or a file: URL', callee);
     }
+    return text;
+  }
+
+  // The absolute, normalised path a path argument names, or throws the refusal.
+  function checkedPath(value, what, callee) {
+    const text = pathText(value, what, callee);
     if (ReflectApply(StringPrototypeIndexOf, text, ['\u0000']) !== -1) throw refusal(what, 'a path cannot hold NUL', callee);
     const absolute = pathNormalize(pathResolve(ReflectApply(processCwd, process, []), text));
     if (!inside(absolute)) {
@@ -145,9 +153,10 @@ function createFsGate(roots, stdio) {
       if (value !== null && typeof value === 'object' && ReflectApply(WeakSetPrototypeHas, handles, [value])) return value;
       return checkedPath(value, what, callee);
     }
-    // mkdtemp's prefix: the folder it names, with the random suffix, must be inside.
-    checkedPath(`${value}XXXXXX`, what, callee);
-    return value;
+    // mkdtemp's prefix: the folder it names, with the random suffix, must be inside. Node gets the
+    // checked string, never the caller's value, whose toString may say something else than its bytes.
+    const absolute = checkedPath(`${pathText(value, what, callee)}XXXXXX`, what, callee);
+    return ReflectApply(StringPrototypeSlice, absolute, [0, absolute.length - 6]);
   }
 
   // A copy of stream options with their descriptor checked.
@@ -174,13 +183,26 @@ function createFsGate(roots, stdio) {
     return BufferFrom(`${data}`);
   }
 
+  // The encoding a whole-file function's options name (a string, or an object's `encoding`).
+  function encodingOf(options, fallback) {
+    if (typeof options === 'string') return options;
+    if (options !== null && typeof options === 'object' && typeof options.encoding === 'string') return options.encoding;
+    return fallback;
+  }
+
+  // A descriptor of the program's stdio given to a function that takes a path or a descriptor: as for
+  // write and read, writeFile and appendFile on 1 and 2 are the program's output, readFile of 0 is empty.
+  function isStdioDescriptor(shape, value) {
+    return (shape === 'f' || shape === 'pf') && typeof value === 'number' && value <= 2;
+  }
+
   function gatedSync(name, original, shapes) {
     const what = `fs.${name}`;
     const gated = {
       [name](...args) {
         for (let i = 0; i < shapes.length; i++) args[i] = checkedArgument(shapes[i], args[i], what, gated);
         if (name === 'createReadStream' || name === 'createWriteStream') args[1] = checkedStreamOptions(args[1], what, gated);
-        if (shapes[0] === 'f' && args[0] <= 2) return stdioSync(name, args, what, gated);
+        if (isStdioDescriptor(shapes[0], args[0])) return stdioSync(name, args, what, gated);
         const result = ReflectApply(original, fs, args);
         if (name === 'openSync') ReflectApply(SetPrototypeAdd, opened, [result]);
         if (name === 'closeSync') ReflectApply(SetPrototypeDelete, opened, [args[0]]);
@@ -197,6 +219,19 @@ function createFsGate(roots, stdio) {
       return bytes.length;
     }
     if (name === 'readSync' && args[0] === 0) return 0;
+    if ((name === 'writeFileSync' || name === 'appendFileSync') && args[0] >= 1) {
+      const data = args[1];
+      let bytes;
+      if (typeof data === 'string') bytes = BufferFrom(data, encodingOf(args[2], 'utf8'));
+      else if (ArrayBufferIsView(data)) bytes = BufferFrom(data.buffer, data.byteOffset, data.byteLength);
+      else throw refusal(what, 'the data must be a string, a Buffer, a TypedArray or a DataView', callee);
+      stdio.write(args[0], bytes);
+      return undefined;
+    }
+    if (name === 'readFileSync' && args[0] === 0) {
+      const encoding = encodingOf(args[1], null);
+      return encoding === null ? BufferAlloc(0) : '';
+    }
     throw refusal(what, `descriptor ${args[0]} is the program's stdio, which only write (1, 2) and read (0) reach`, callee);
   }
 
@@ -208,7 +243,7 @@ function createFsGate(roots, stdio) {
         const callback = typeof args[last] === 'function' ? args[last] : undefined;
         try {
           for (let i = 0; i < shapes.length; i++) args[i] = checkedArgument(shapes[i], args[i], what, gated);
-          if (shapes[0] === 'f' && args[0] <= 2) {
+          if (isStdioDescriptor(shapes[0], args[0])) {
             const syncName = `${name}Sync`;
             const result = stdioSync(syncName, args, what, gated);
             if (callback !== undefined) ReflectApply(nextTick, process, [callback, null, result, args[1]]);
