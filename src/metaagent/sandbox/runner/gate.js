@@ -77,6 +77,11 @@ for (const name of extensionNames) originalExtensions[name] = extensions[name];
 const moduleCache = Module._cache;
 const originalConnect = net.Socket.prototype.connect;
 const originalListen = net.Server.prototype.listen;
+// The native Pipe class behind every Unix-socket and descriptor stream. User code can reach it as any
+// such socket's `_handle.constructor` (`new net.Socket({fd: 0})`, a tunnel socket), and its methods take
+// paths and descriptors past net's gated connect and listen, so they are gated themselves.
+const PipePrototype = process.binding('pipe_wrap').Pipe.prototype;
+const originalPipeConnect = PipePrototype.connect;
 // The native SecureContext behind tls, https and fetch: its engine methods dlopen() a path.
 const SecureContextPrototype = ObjectGetPrototypeOf(tls.createSecureContext().context);
 const ownFiles = [__filename, require.resolve('./policy.js'), require.resolve('./imports.js')];
@@ -326,6 +331,17 @@ function gatedListen(...args) {
   return ReflectApply(originalListen, this, args);
 }
 
+// The Pipe handle's own methods, for whoever holds one: connect only to the runner's sockets (what
+// net's connect let through ends here too); bind, listen and open (a socket file, a descriptor) never.
+function pipeConnectGate(allowedSocketPaths) {
+  return function connect(request, path, ...rest) {
+    if (typeof path !== 'string' || allowedSocketPaths[path] !== true) {
+      throw apiBlockedError(UNIX_SOCKET_REFUSED, connect);
+    }
+    return ReflectApply(originalPipeConnect, this, [request, path, ...rest]);
+  };
+}
+
 // import() of user code: decided by imports.js with the same gated loader.
 const importerFor = imports.importerFactory(gatedLoad, gatedResolveFilename, refusedRequest);
 
@@ -383,6 +399,10 @@ function install({ unixSockets = [], builtins = {}, chdir = blockedApi('process.
   for (let i = 0; i < unixSockets.length; i++) sockets[unixSockets[i]] = true;
   lock(net.Socket.prototype, 'connect', connectGate(ObjectFreeze(sockets)));
   lock(net.Server.prototype, 'listen', gatedListen);
+  lock(PipePrototype, 'connect', pipeConnectGate(ObjectFreeze(sockets)));
+  lock(PipePrototype, 'bind', blockedApi('a Unix socket handle\'s bind'));
+  lock(PipePrototype, 'listen', blockedApi('a Unix socket handle\'s listen'));
+  lock(PipePrototype, 'open', blockedApi('a Unix socket handle on a file descriptor'));
 
   // OpenSSL's dynamic engine dlopen()s the path it is given: crypto.setEngine, and the privateKeyEngine
   // and clientCertEngine options that tls, https and fetch (undici) pass on to the native SecureContext.
