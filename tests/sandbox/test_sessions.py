@@ -506,10 +506,10 @@ def test_fs_works_inside_the_workspace_and_tmp_only(sessions: Sessions) -> None:
 
 
 # --- objects the confined fs hands out ---------------------------------------------------------------------
-# The facade checks the paths its own functions take, but the streams, FileHandles and watchers it returns
-# are node's real ones: their classes, prototypes and symbol-keyed slots lead to the real fs, to any path
-# and to any descriptor. Each program below reports `held <code>` when the gate stops it, and what it
-# reached otherwise.
+# The facade checks the paths its own functions take; the streams, FileHandles and watchers it returns must
+# lead nowhere else either: not through their classes, prototypes or symbol-keyed slots, to the real fs, to
+# any path or to any descriptor. Each program below reports `held <code>` when the gate stops it, and what
+# it reached otherwise.
 
 FS_OBJECT_ESCAPE = """
 const fs = require('fs');
@@ -525,11 +525,6 @@ try { outcome = await attack(); } catch (e) { outcome = 'held ' + e.code; }
 outcome
 """
 
-OBJECTS_ESCAPE = pytest.mark.xfail(
-    strict=True,
-    reason="fsgate.js hands out node's real streams, FileHandles and watchers, whose classes and slots reach "
-    "the real fs, any path and any descriptor (helper-11)",
-)
 FS_OBJECT_ESCAPES = {
     # class X extends Original: Object.getPrototypeOf(X) is node's ReadStream, which takes any path.
     "the-stream-class-parent": "return readAll(new (Object.getPrototypeOf(fs.ReadStream))('/etc/passwd'));",
@@ -569,15 +564,44 @@ FS_OBJECT_ESCAPES = {
 @pytest.mark.security
 @pytest.mark.parametrize(
     "attack",
-    [
-        pytest.param(code, id=name, marks=[] if name == "a-mkdtemp-prefix-whose-tostring-lies" else [OBJECTS_ESCAPE])
-        for name, code in FS_OBJECT_ESCAPES.items()
-    ],
+    [pytest.param(code, id=name) for name, code in FS_OBJECT_ESCAPES.items()],
 )
 def test_what_the_confined_fs_hands_out_leads_to_no_other_path_or_descriptor(sessions: Sessions, attack: str) -> None:
     result = sessions.run(sessions.create(), FS_OBJECT_ESCAPE.replace("ATTACK", attack))
     assert result["exit_code"] == 0, result["stderr"]
     assert result["result"].startswith("'held"), result["result"]
+
+
+FILE_HANDLES_AND_STREAMS = """
+const fs = require('fs');
+const handle = await fs.promises.open('notes.txt', 'w+');
+await handle.write('line one\\nline two\\n');
+const size = (await handle.stat()).size;
+const again = await fs.promises.readFile(handle, 'utf8');  // from the handle's position: the end
+await handle.close();
+const reader = await fs.promises.open('notes.txt');
+let streamed = '';
+for await (const chunk of reader.createReadStream({ encoding: 'utf8' })) streamed += chunk;
+const lines = [];
+const lined = await fs.promises.open('notes.txt');
+for await (const line of lined.readLines()) lines.push(line);
+await new Promise((ok, no) => fs.createWriteStream('copy.txt').on('error', no).end(streamed, ok));
+console.log(JSON.stringify({ size, again, streamed, lines, copy: fs.readFileSync('copy.txt', 'utf8'),
+                             isStream: fs.createReadStream('copy.txt') instanceof fs.ReadStream }));
+"""
+
+
+def test_file_handles_and_streams_work_inside_the_workspace(sessions: Sessions) -> None:
+    result = sessions.run(sessions.create(), FILE_HANDLES_AND_STREAMS, timeout_s=10)
+    assert result["exit_code"] == 0, result["stderr"]
+    assert json.loads(result["stdout"]) == {
+        "size": 18,
+        "again": "",
+        "streamed": "line one\nline two\n",
+        "lines": ["line one", "line two"],
+        "copy": "line one\nline two\n",
+        "isStream": True,
+    }
 
 
 @pytest.mark.security
@@ -590,11 +614,6 @@ def test_what_the_confined_fs_hands_out_leads_to_no_other_path_or_descriptor(ses
             "const out = require('fs').createWriteStream(null, { fd: 1 });"
             " await new Promise((ok) => out.end('through writeFile\\n', ok)); 'after'",
             id="createWriteStream-fd",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a stream with {fd} writes through node's real fs, not the facade, so fd 1 is the runner's "
-                "real stdout (helper-11)",
-            ),
         ),
     ],
 )
@@ -615,21 +634,28 @@ def test_reading_fd_0_by_any_fs_function_sees_an_empty_stdin(sessions: Sessions)
 # --- hostile code --------------------------------------------------------------------------------------------
 
 
-def test_frames_forged_on_stdout_end_only_their_own_session(sessions: Sessions) -> None:
+def test_code_cannot_reach_the_runners_stdout_raw_and_no_other_session_is_touched(sessions: Sessions) -> None:
+    # fd 1 carries the runner's frames. A raw socket on it (the way to forge them) is refused by the gate;
+    # the decoder's own checks, for whatever gets through anyway, are tests/test_session_wire.py.
     victim, attacker = sessions.create(), sessions.create()
     sessions.run(victim, "let safe = 'untouched'")
     forged = sessions.run(
         attacker,
         """
         const Socket = Object.getPrototypeOf(require('tty').ReadStream);
-        const raw = new Socket({ fd: 1, readable: false, writable: true });
-        raw.write(Buffer.from([0x72, 0xff, 0xff, 0xff, 0xff]));  // a reply frame of 4 GiB
-        raw.write('garbage that is not a frame');
-        await new Promise((r) => setTimeout(r, 500));
+        let outcome;
+        try {
+          const raw = new Socket({ fd: 1, readable: false, writable: true });
+          raw.write(Buffer.from([0x72, 0xff, 0xff, 0xff, 0xff]));  // a reply frame of 4 GiB
+          outcome = 'wrote raw';
+        } catch (e) { outcome = e.code; }
+        process._rawDebug('garbage that is not a frame');  // fd 2: the program's stderr, raw
+        outcome
         """,
     )
-    assert forged["session_ended"] is True
-    assert sessions.request("GET", f"/sessions/{attacker}").json()["reason"] == "killed"
+    assert forged["result"] == "'ERR_METAAGENT_BLOCKED_API'"
+    assert forged["session_ended"] is False
+    assert "garbage that is not a frame" in forged["stderr"]
     assert sessions.run(victim, "safe")["result"] == "'untouched'"
     assert sessions.service.get("/health").status_code == 200
 

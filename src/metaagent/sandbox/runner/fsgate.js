@@ -25,16 +25,12 @@ const ObjectCreate = Object.create;
 const ObjectDefineProperty = Object.defineProperty;
 const ObjectFreeze = Object.freeze;
 const ObjectKeys = Object.keys;
-const ObjectSetPrototypeOf = Object.setPrototypeOf;
 const ErrorCtor = Error;
 const ErrorCaptureStackTrace = Error.captureStackTrace;
 const SafeSet = Set;
 const SetPrototypeAdd = Set.prototype.add;
 const SetPrototypeHas = Set.prototype.has;
 const SetPrototypeDelete = Set.prototype.delete;
-const SafeWeakSet = WeakSet;
-const WeakSetPrototypeAdd = WeakSet.prototype.add;
-const WeakSetPrototypeHas = WeakSet.prototype.has;
 const PromiseReject = Promise.reject.bind(Promise);
 const PromisePrototypeThen = Promise.prototype.then;
 const StringPrototypeStartsWith = String.prototype.startsWith;
@@ -51,6 +47,9 @@ const processChdir = process.chdir;
 const pathResolve = pathModule.posix.resolve;
 const pathNormalize = pathModule.posix.normalize;
 const promises = fs.promises;
+const WeakMapCtor = WeakMap;
+const WeakMapPrototypeGet = WeakMap.prototype.get;
+const WeakMapPrototypeSet = WeakMap.prototype.set;
 
 const CODE_PATH_REFUSED = 'ERR_METAAGENT_PATH_REFUSED';
 const strictUtf8 = new TextDecoderCtor('utf-8', { fatal: true });
@@ -87,6 +86,9 @@ const PROMISE_SHAPES = {
 };
 // Links: the only way to make a name in the folders lead out of them.
 const LINKS = ['link', 'symlink', 'lchmod'];
+// Watchers: node's watcher objects have methods that start a watch on any path (a probe), so a session
+// has none.
+const WATCHERS = ['watch', 'watchFile', 'unwatchFile'];
 // Plain values and classes that reach no path by themselves.
 const KEPT = ['constants', 'Dirent', 'Stats', 'Dir', '_toUnixTimestamp'];
 
@@ -95,7 +97,7 @@ function createFsGate(roots, stdio) {
   for (let i = 0; i < roots.length; i++) ObjectDefineProperty(rootList, i, { __proto__: null, value: roots[i], enumerable: true });
   const rootsText = roots.join(' and ');
   const opened = new SafeSet(); // descriptors this facade's open returned
-  const handles = new SafeWeakSet(); // FileHandles this facade's promises.open returned
+  const handles = new WeakMapCtor(); // the FileHandle wrappers this facade handed out -> node's real ones
 
   function inside(absolute) {
     for (let i = 0; i < rootList.length; i++) {
@@ -150,8 +152,8 @@ function createFsGate(roots, stdio) {
     if (shape === 'f') return checkedDescriptor(value, what, callee);
     if (shape === 'pf') return typeof value === 'number' ? checkedDescriptor(value, what, callee) : checkedPath(value, what, callee);
     if (shape === 'ph') {
-      if (value !== null && typeof value === 'object' && ReflectApply(WeakSetPrototypeHas, handles, [value])) return value;
-      return checkedPath(value, what, callee);
+      const real = value !== null && typeof value === 'object' ? ReflectApply(WeakMapPrototypeGet, handles, [value]) : undefined;
+      return real !== undefined ? real : checkedPath(value, what, callee);
     }
     // mkdtemp's prefix: the folder it names, with the random suffix, must be inside. Node gets the
     // checked string, never the caller's value, whose toString may say something else than its bytes.
@@ -159,14 +161,22 @@ function createFsGate(roots, stdio) {
     return ReflectApply(StringPrototypeSlice, absolute, [0, absolute.length - 6]);
   }
 
-  // A copy of stream options with their descriptor checked.
+  // A copy of stream options with their descriptor checked, and the facade's own functions as the fs the
+  // stream opens, reads, writes and closes with (node keeps it in the stream: never the real module).
   function checkedStreamOptions(options, what, callee) {
-    if (options === null || typeof options !== 'object') return options;
     const copy = ObjectCreate(null);
-    const keys = ObjectKeys(options);
-    for (let i = 0; i < keys.length; i++) copy[keys[i]] = options[keys[i]];
-    if (copy.fd !== undefined && copy.fd !== null && typeof copy.fd === 'number') checkedDescriptor(copy.fd, what, callee);
-    ObjectSetPrototypeOf(copy, null);
+    if (typeof options === 'string') copy.encoding = options;
+    else if (options !== null && typeof options === 'object') {
+      const keys = ObjectKeys(options);
+      for (let i = 0; i < keys.length; i++) copy[keys[i]] = options[keys[i]];
+    }
+    if (copy.fd !== null && typeof copy.fd === 'object') {
+      const real = ReflectApply(WeakMapPrototypeGet, handles, [copy.fd]);
+      if (real === undefined) throw refusal(what, 'fd must be a descriptor or a FileHandle of this program', callee);
+      copy.fd = real.fd;
+    }
+    if (copy.fd !== undefined && copy.fd !== null) checkedDescriptor(copy.fd, what, callee);
+    copy.fs = streamFs;
     return copy;
   }
 
@@ -219,6 +229,7 @@ function createFsGate(roots, stdio) {
       return bytes.length;
     }
     if (name === 'readSync' && args[0] === 0) return 0;
+    if (name === 'closeSync') return undefined; // the program's stdio stays open: a stream on 1 closes it as it ends
     if ((name === 'writeFileSync' || name === 'appendFileSync') && args[0] >= 1) {
       const data = args[1];
       let bytes;
@@ -279,10 +290,7 @@ function createFsGate(roots, stdio) {
         }
         const result = ReflectApply(original, promises, args);
         if (name !== 'open') return result;
-        return ReflectApply(PromisePrototypeThen, result, [(handle) => {
-          ReflectApply(WeakSetPrototypeAdd, handles, [handle]);
-          return handle;
-        }]);
+        return ReflectApply(PromisePrototypeThen, result, [wrapHandle]);
       },
     }[name];
     return gated;
@@ -314,17 +322,102 @@ function createFsGate(roots, stdio) {
     return refused;
   }
 
-  // The stream classes, constructible directly: their path is checked as createReadStream's is.
+  // The stream classes: functions that make node's streams with a checked path and the facade's fs. They
+  // do not extend node's classes (whose constructor takes any path and the real fs), and those classes'
+  // prototypes lead back here: nothing reaches node's constructors.
   function gatedStreamClass(name, Original) {
     const what = `fs.${name}`;
     const Gated = {
-      [name]: class extends Original {
-        constructor(path, options) {
-          super(path === null || path === undefined ? path : checkedPath(path, what), checkedStreamOptions(options, what));
-        }
+      // A function expression, not a method: `new fs.ReadStream(...)` must work, as in node.
+      [name]: function (path, options) { // eslint-disable-line func-names
+        const checked = path === null || path === undefined ? path : checkedPath(path, what, Gated);
+        return new Original(checked, checkedStreamOptions(options, what, Gated));
       },
     }[name];
+    ObjectDefineProperty(Gated, 'prototype', { __proto__: null, value: Original.prototype, writable: false });
+    ObjectDefineProperty(Original.prototype, 'constructor', {
+      __proto__: null, value: Gated, writable: false, enumerable: false, configurable: false,
+    });
     return Gated;
+  }
+  const GatedReadStream = gatedStreamClass('ReadStream', fs.ReadStream);
+  const GatedWriteStream = gatedStreamClass('WriteStream', fs.WriteStream);
+
+  // A FileHandle of fs.promises.open, as the program gets it: node's handle stays in `handles`, out of
+  // reach (its descriptor slot is writable, and its class wraps any descriptor). The wrapper's methods
+  // call the real ones; its streams are the facade's on its descriptor.
+  const FileHandlePrototype = ObjectCreate(null);
+  function handleOf(wrapper, what) {
+    const real = wrapper !== null && typeof wrapper === 'object' ? ReflectApply(WeakMapPrototypeGet, handles, [wrapper]) : undefined;
+    if (real === undefined) throw refusal(`FileHandle.${what}`, 'not a FileHandle of this program', undefined);
+    return real;
+  }
+  const HANDLE_METHODS = ['appendFile', 'chmod', 'chown', 'datasync', 'read', 'readFile', 'readv', 'stat', 'sync',
+    'truncate', 'utimes', 'write', 'writeFile', 'writev'];
+  for (let i = 0; i < HANDLE_METHODS.length; i++) {
+    const name = HANDLE_METHODS[i];
+    FileHandlePrototype[name] = {
+      [name](...args) {
+        let real;
+        try {
+          real = handleOf(this, name);
+        } catch (error) {
+          return PromiseReject(error);
+        }
+        return ReflectApply(real[name], real, args);
+      },
+    }[name];
+  }
+  FileHandlePrototype.close = function close() {
+    let real;
+    try {
+      real = handleOf(this, 'close');
+    } catch (error) {
+      return PromiseReject(error);
+    }
+    const fd = real.fd;
+    return ReflectApply(PromisePrototypeThen, ReflectApply(real.close, real, []), [() => {
+      ReflectApply(SetPrototypeDelete, opened, [fd]);
+    }]);
+  };
+  function handleStream(Stream, name) {
+    return {
+      [name](options) {
+        const wrapper = this;
+        const real = handleOf(wrapper, name);
+        const own = checkedStreamOptions(options, `FileHandle.${name}`, undefined);
+        const autoClose = own.autoClose !== false;
+        own.fd = real.fd;
+        own.autoClose = false; // the handle closes its descriptor, once
+        const stream = Stream(null, own);
+        if (autoClose) stream.once('close', () => { wrapper.close().then(undefined, () => {}); });
+        return stream;
+      },
+    }[name];
+  }
+  FileHandlePrototype.createReadStream = handleStream(GatedReadStream, 'createReadStream');
+  FileHandlePrototype.createWriteStream = handleStream(GatedWriteStream, 'createWriteStream');
+  FileHandlePrototype.readLines = function readLines(options) {
+    return require('readline').createInterface({ input: this.createReadStream(options), crlfDelay: Infinity });
+  };
+  ObjectDefineProperty(FileHandlePrototype, 'fd', {
+    __proto__: null, enumerable: true, configurable: false,
+    get() {
+      return handleOf(this, 'fd').fd;
+    },
+  });
+  ObjectDefineProperty(FileHandlePrototype, 'constructor', {
+    __proto__: null, enumerable: false, writable: false, configurable: false,
+    value: function FileHandle() {
+      throw refusal('FileHandle', 'FileHandles come from fs.promises.open only', FileHandle);
+    },
+  });
+  ObjectFreeze(FileHandlePrototype);
+  function wrapHandle(real) {
+    const wrapper = ObjectCreate(FileHandlePrototype);
+    ReflectApply(WeakMapPrototypeSet, handles, [wrapper, real]);
+    ReflectApply(SetPrototypeAdd, opened, [real.fd]);
+    return wrapper;
   }
 
   const facade = ObjectCreate(null);
@@ -337,14 +430,14 @@ function createFsGate(roots, stdio) {
     let gated;
     if (name === 'promises') continue;
     if (KEPT.includes(name)) gated = value;
-    else if (name === 'ReadStream' || name === 'FileReadStream') gated = gatedStreamClass(name, fs.ReadStream);
-    else if (name === 'WriteStream' || name === 'FileWriteStream') gated = gatedStreamClass(name, fs.WriteStream);
+    else if (name === 'ReadStream' || name === 'FileReadStream') gated = GatedReadStream;
+    else if (name === 'WriteStream' || name === 'FileWriteStream') gated = GatedWriteStream;
+    else if (name === 'createReadStream') gated = function createReadStream(path, options) { return GatedReadStream(path, options); };
+    else if (name === 'createWriteStream') gated = function createWriteStream(path, options) { return GatedWriteStream(path, options); };
+    else if (WATCHERS.includes(name)) gated = refusedUnknown(name);
     else if (LINKS.includes(base)) gated = refusedLink(name, sync ? 'sync' : 'callback');
     else if (SHAPES[base] !== undefined && typeof value === 'function') {
-      gated = sync || base === 'createReadStream' || base === 'createWriteStream' || base === 'watch' ||
-        base === 'watchFile' || base === 'unwatchFile'
-        ? gatedSync(name, value, SHAPES[base])
-        : gatedCallback(name, value, SHAPES[base]);
+      gated = sync ? gatedSync(name, value, SHAPES[base]) : gatedCallback(name, value, SHAPES[base]);
       if (typeof value.native === 'function') {
         const native = sync ? gatedSync(name, value.native, SHAPES[base]) : gatedCallback(name, value.native, SHAPES[base]);
         ObjectDefineProperty(gated, 'native', { __proto__: null, value: native, enumerable: true, writable: true, configurable: true });
@@ -361,11 +454,17 @@ function createFsGate(roots, stdio) {
     let gated;
     if (name === 'constants') gated = value;
     else if (LINKS.includes(name)) gated = refusedLink(name, 'promise');
+    else if (WATCHERS.includes(name)) gated = refusedUnknown(`promises.${name}`);
     else if (PROMISE_SHAPES[name] !== undefined) gated = gatedPromise(name, value, PROMISE_SHAPES[name]);
     else gated = typeof value === 'function' ? refusedUnknown(`promises.${name}`) : value;
     ObjectDefineProperty(promiseFacade, name, { __proto__: null, value: gated, enumerable: true, writable: true, configurable: true });
   }
   ObjectDefineProperty(facade, 'promises', { __proto__: null, value: promiseFacade, enumerable: true, writable: true, configurable: true });
+  // What every stream opens, reads, writes and closes with: the facade's functions as they are now, before
+  // any user code (which may replace the facade's properties, never these).
+  const streamFs = ObjectFreeze({
+    __proto__: null, open: facade.open, read: facade.read, write: facade.write, close: facade.close,
+  });
 
   // process.chdir: inside the folders only, so that relative paths stay inside too.
   function chdir(directory) {
