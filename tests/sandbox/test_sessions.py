@@ -572,6 +572,45 @@ def test_what_the_confined_fs_hands_out_leads_to_no_other_path_or_descriptor(ses
     assert result["result"].startswith("'held"), result["result"]
 
 
+# A FileHandle keeps the number of its descriptor. fs.closeSync(handle.fd) closes that descriptor (it was
+# the facade's) while the handle stays usable; the next descriptor the process opens takes the number, and
+# the handle's methods act on it. Here that is the resolver's socket, which dns.lookup opens at the lowest
+# free number: the handle stats (reads, writes) a descriptor the facade never opened.
+FILE_HANDLE_REUSED_NUMBER = """
+const fs = require('fs');
+const handle = await fs.promises.open('/workspace/reused', 'w+');
+fs.closeSync(handle.fd);
+let reached = null, stop = false;
+const deadline = Date.now() + 4000;
+const probe = async () => {
+  while (!stop && reached === null && Date.now() < deadline) {
+    try { if ((await handle.stat()).isSocket()) reached = 'reached a socket the facade never opened'; } catch {}
+  }
+};
+const probes = [probe(), probe()];
+while (reached === null && Date.now() < deadline) {
+  await new Promise((ok) => require('dns').lookup('metaagent.invalid', () => ok()));
+}
+stop = true;
+await Promise.all(probes);
+reached === null ? 'held' : reached
+"""
+
+
+@pytest.mark.security
+@pytest.mark.xfail(
+    strict=True,
+    reason="helper-12: a FileHandle whose descriptor fs.closeSync closed keeps acting on its number, "
+    "which the process reuses (the resolver's socket here); the wrapper's methods do not check `opened`",
+)
+def test_a_file_handle_whose_descriptor_was_closed_reaches_no_descriptor_reusing_its_number(
+    sessions: Sessions,
+) -> None:
+    result = sessions.run(sessions.create(), FILE_HANDLE_REUSED_NUMBER, timeout_s=10)
+    assert result["exit_code"] == 0, result["stderr"]
+    assert result["result"] == "'held'"
+
+
 FILE_HANDLES_AND_STREAMS = """
 const fs = require('fs');
 const handle = await fs.promises.open('notes.txt', 'w+');
