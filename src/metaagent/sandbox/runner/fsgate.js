@@ -174,6 +174,8 @@ function createFsGate(roots, stdio) {
       const real = ReflectApply(WeakMapPrototypeGet, handles, [copy.fd]);
       if (real === undefined) throw refusal(what, 'fd must be a descriptor or a FileHandle of this program', callee);
       copy.fd = real.fd;
+      copy.fs = handleOperations(real);
+      return copy;
     }
     if (copy.fd !== undefined && copy.fd !== null) checkedDescriptor(copy.fd, what, callee);
     copy.fs = streamFs;
@@ -375,28 +377,46 @@ function createFsGate(roots, stdio) {
     } catch (error) {
       return PromiseReject(error);
     }
-    const fd = real.fd;
-    return ReflectApply(PromisePrototypeThen, ReflectApply(real.close, real, []), [() => {
-      ReflectApply(SetPrototypeDelete, opened, [fd]);
-    }]);
+    return ReflectApply(real.close, real, []);
   };
-  function handleStream(Stream, name) {
+  // A stream on a FileHandle reads and writes through the handle itself, never through its number: a
+  // handle's descriptor is not one of the program's (closed by the handle or by garbage collection, its
+  // number may come back as anything the process opens next).
+  function handleOperations(real) {
+    const settle = (callback, field) => [
+      (result) => ReflectApply(callback, undefined, [null, result[field], result.buffer]),
+      (error) => ReflectApply(callback, undefined, [error]),
+    ];
+    return ObjectFreeze({
+      __proto__: null,
+      open(path, flags, mode, callback) {
+        ReflectApply(nextTick, process, [callback, null, real.fd]);
+      },
+      read(fd, buffer, offset, length, position, callback) {
+        ReflectApply(PromisePrototypeThen, ReflectApply(real.read, real, [buffer, offset, length, position]),
+          settle(callback, 'bytesRead'));
+      },
+      write(fd, buffer, offset, length, position, callback) {
+        ReflectApply(PromisePrototypeThen, ReflectApply(real.write, real, [buffer, offset, length, position]),
+          settle(callback, 'bytesWritten'));
+      },
+      close(fd, callback) {
+        ReflectApply(PromisePrototypeThen, ReflectApply(real.close, real, []),
+          [() => ReflectApply(callback, undefined, [null]), (error) => ReflectApply(callback, undefined, [error])]);
+      },
+    });
+  }
+  function handleStream(Original, name) {
     return {
       [name](options) {
-        const wrapper = this;
-        const real = handleOf(wrapper, name);
         const own = checkedStreamOptions(options, `FileHandle.${name}`, undefined);
-        const autoClose = own.autoClose !== false;
-        own.fd = real.fd;
-        own.autoClose = false; // the handle closes its descriptor, once
-        const stream = Stream(null, own);
-        if (autoClose) stream.once('close', () => { wrapper.close().then(undefined, () => {}); });
-        return stream;
+        own.fd = this; // checked above only if the caller gave one: the stream is on this handle
+        return new Original(null, checkedStreamOptions(own, `FileHandle.${name}`, undefined));
       },
     }[name];
   }
-  FileHandlePrototype.createReadStream = handleStream(GatedReadStream, 'createReadStream');
-  FileHandlePrototype.createWriteStream = handleStream(GatedWriteStream, 'createWriteStream');
+  FileHandlePrototype.createReadStream = handleStream(fs.ReadStream, 'createReadStream');
+  FileHandlePrototype.createWriteStream = handleStream(fs.WriteStream, 'createWriteStream');
   FileHandlePrototype.readLines = function readLines(options) {
     return require('readline').createInterface({ input: this.createReadStream(options), crlfDelay: Infinity });
   };
@@ -416,7 +436,6 @@ function createFsGate(roots, stdio) {
   function wrapHandle(real) {
     const wrapper = ObjectCreate(FileHandlePrototype);
     ReflectApply(WeakMapPrototypeSet, handles, [wrapper, real]);
-    ReflectApply(SetPrototypeAdd, opened, [real.fd]);
     return wrapper;
   }
 
