@@ -681,6 +681,33 @@ def test_destroying_a_file_handles_stream_closes_its_descriptor_once(sessions: S
     assert result["result"] == "'held'"
 
 
+# fsgate.js says everything it uses is captured before any user code exists, but FileHandle.readLines
+# requires readline when it is called, through the module cache the program can write.
+READLINES_POISONED_CACHE = """
+const fs = require('fs');
+const cache = require('module')._cache;
+cache.readline = { id: 'readline', filename: 'readline', loaded: true,
+                   exports: { createInterface: (options) => ({ poisoned: true, options }) } };
+fs.writeFileSync('/workspace/r', 'x');
+const handle = await fs.promises.open('/workspace/r');
+const lines = handle.readLines();
+delete cache.readline;
+await handle.close();
+lines.poisoned ? "the runner's readLines used the program's readline" : 'held'
+"""
+
+
+@pytest.mark.security
+@pytest.mark.xfail(
+    strict=True,
+    reason="helper-12: FileHandle.readLines requires readline at call time, through the program's module cache",
+)
+def test_a_file_handles_read_lines_uses_the_readline_captured_before_user_code(sessions: Sessions) -> None:
+    result = sessions.run(sessions.create(), READLINES_POISONED_CACHE)
+    assert result["exit_code"] == 0, result["stderr"]
+    assert result["result"] == "'held'"
+
+
 FILE_HANDLES_AND_STREAMS = """
 const fs = require('fs');
 const handle = await fs.promises.open('notes.txt', 'w+');
