@@ -645,6 +645,63 @@ def test_the_number_of_a_collected_file_handle_is_no_longer_a_descriptor_of_the_
     assert result["result"] == "'held'"
 
 
+# node's ReadStream closes its descriptor when destroyed whatever autoClose says, so a FileHandle's stream
+# that is destroyed closes the number through the facade, and then the handle closes it again: by then the
+# number may belong to another descriptor (here a handle the program opened meanwhile), which is closed under
+# it. Had the runner taken the number (an upload's part file, the resolver's socket), its descriptor would be.
+DESTROYED_HANDLE_STREAM = """
+const fs = require('fs');
+fs.writeFileSync('/workspace/lines', 'a\\nb\\n');
+const first = await fs.promises.open('/workspace/lines');
+first.readLines().input.destroy();
+const second = await fs.promises.open('/workspace/lines');
+second.createReadStream().destroy();
+const third = await fs.promises.open('/workspace/lines');
+let outcome;
+try { await third.close(); outcome = 'held'; } catch (e) { outcome = 'the third handle was closed already: ' + e.code; }
+outcome
+"""
+
+
+@pytest.mark.security
+@pytest.mark.xfail(
+    strict=True,
+    reason="helper-12: destroying a FileHandle's stream closes its descriptor twice (the stream through the "
+    "facade, then the handle), and the second close hits whatever took the number meanwhile",
+)
+def test_destroying_a_file_handles_stream_closes_its_descriptor_once(sessions: Sessions) -> None:
+    result = sessions.run(sessions.create(), DESTROYED_HANDLE_STREAM, timeout_s=5)
+    assert result["exit_code"] == 0, result["stderr"]
+    assert result["result"] == "'held'"
+
+
+# fsgate.js says everything it uses is captured before any user code exists, but FileHandle.readLines
+# requires readline when it is called, through the module cache the program can write.
+READLINES_POISONED_CACHE = """
+const fs = require('fs');
+const cache = require('module')._cache;
+cache.readline = { id: 'readline', filename: 'readline', loaded: true,
+                   exports: { createInterface: (options) => ({ poisoned: true, options }) } };
+fs.writeFileSync('/workspace/r', 'x');
+const handle = await fs.promises.open('/workspace/r');
+const lines = handle.readLines();
+delete cache.readline;
+await handle.close();
+lines.poisoned ? "the runner's readLines used the program's readline" : 'held'
+"""
+
+
+@pytest.mark.security
+@pytest.mark.xfail(
+    strict=True,
+    reason="helper-12: FileHandle.readLines requires readline at call time, through the program's module cache",
+)
+def test_a_file_handles_read_lines_uses_the_readline_captured_before_user_code(sessions: Sessions) -> None:
+    result = sessions.run(sessions.create(), READLINES_POISONED_CACHE)
+    assert result["exit_code"] == 0, result["stderr"]
+    assert result["result"] == "'held'"
+
+
 FILE_HANDLES_AND_STREAMS = """
 const fs = require('fs');
 const handle = await fs.promises.open('notes.txt', 'w+');
