@@ -664,11 +664,6 @@ outcome
 
 
 @pytest.mark.security
-@pytest.mark.xfail(
-    strict=True,
-    reason="helper-12: destroying a FileHandle's stream closes its descriptor twice (the stream through the "
-    "facade, then the handle), and the second close hits whatever took the number meanwhile",
-)
 def test_destroying_a_file_handles_stream_closes_its_descriptor_once(sessions: Sessions) -> None:
     result = sessions.run(sessions.create(), DESTROYED_HANDLE_STREAM, timeout_s=5)
     assert result["exit_code"] == 0, result["stderr"]
@@ -692,10 +687,6 @@ lines.poisoned ? "the runner's readLines used the program's readline" : 'held'
 
 
 @pytest.mark.security
-@pytest.mark.xfail(
-    strict=True,
-    reason="helper-12: FileHandle.readLines requires readline at call time, through the program's module cache",
-)
 def test_a_file_handles_read_lines_uses_the_readline_captured_before_user_code(sessions: Sessions) -> None:
     result = sessions.run(sessions.create(), READLINES_POISONED_CACHE)
     assert result["exit_code"] == 0, result["stderr"]

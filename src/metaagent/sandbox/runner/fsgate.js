@@ -19,6 +19,7 @@ const fs = require('fs');
 const pathModule = require('path');
 const { URL, fileURLToPath } = require('url');
 const { Buffer } = require('buffer');
+const readlineCreateInterface = require('readline').createInterface;
 
 const ReflectApply = Reflect.apply;
 const ObjectCreate = Object.create;
@@ -418,7 +419,7 @@ function createFsGate(roots, stdio) {
   FileHandlePrototype.createReadStream = handleStream(fs.ReadStream, 'createReadStream');
   FileHandlePrototype.createWriteStream = handleStream(fs.WriteStream, 'createWriteStream');
   FileHandlePrototype.readLines = function readLines(options) {
-    return require('readline').createInterface({ input: this.createReadStream(options), crlfDelay: Infinity });
+    return readlineCreateInterface({ __proto__: null, input: this.createReadStream(options), crlfDelay: Infinity });
   };
   ObjectDefineProperty(FileHandlePrototype, 'fd', {
     __proto__: null, enumerable: true, configurable: false,
