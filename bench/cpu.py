@@ -409,6 +409,8 @@ def measure(
             contenders.append(ServiceContender(COLD, runtime, services[("cold", runtime.name)], watcher, False))
             contenders.append(DockerRunContender(DOCKER_RUN, runtime, image, cpus, watcher))
         for contender in contenders:
+            watcher.register(contender.scope)
+        for contender in contenders:
             if isinstance(contender, ServiceContender) and contender.pooled:
                 contender.prepare()
                 contender.calibrate()

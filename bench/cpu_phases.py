@@ -183,8 +183,11 @@ async def measure(
     watcher: Watcher, image: str, cpus: float, runtime: Runtime, iterations: int, background: dict[str, float]
 ) -> dict[str, dict[str, dict[str, float]]]:
     pid = str(os.getpid())
-    scope = Scope(
-        owner=lambda labels: labels.get(OWNER_PID_LABEL) == pid and EXECUTION_LABEL in labels, clients=(os.getpid(),)
+    scope = watcher.register(
+        Scope(
+            owner=lambda labels: labels.get(OWNER_PID_LABEL) == pid and EXECUTION_LABEL in labels,
+            clients=(os.getpid(),),
+        )
     )
     probe = Probe(watcher, scope)
     engine = ProbedEngine(probe)

@@ -171,6 +171,7 @@ class Watcher:
         self.ended: dict[int, float] = {}  # pid -> when its exit record came (monotonic)
         self.shims: dict[int, str] = {}  # every shim seen: pid -> container id
         self.candidates: set[int] = set()  # live processes named like a shim (see `_find_shims`)
+        self.scopes: list[Scope] = []  # the contenders': whose containers are the benchmark's
         self.labels: dict[str, dict[str, str]] = {}
         self.sandbox_keys: dict[str, str] = {}  # container id -> its network namespace's name
         self.cgroup_ns: dict[str, int] = {}  # container id -> its cgroup's CPU as last read
@@ -256,7 +257,10 @@ class Watcher:
         self.listed = current
         self._find_shims()
         for pid, container_id in self.shims.items():
-            if container_id not in self.sandbox_keys and self._alive(pid):
+            known = container_id in self.labels
+            if self._alive(pid) and (
+                not known or (self._benchmarks(container_id) and container_id not in self.sandbox_keys)
+            ):
                 self._read_config(container_id)
         self._read_cgroups()
 
@@ -333,7 +337,8 @@ class Watcher:
         """For each live process below a shim: its cgroup, until it is its container's (runsc's sandbox
         moves into it after it starts), and its command line if it was first seen before its exec; and
         each container cgroup's CPU so far (a cross-check of the ledger)."""
-        for pid, shim in self._descendants(list(self.shims)).items():
+        ours = [pid for pid, container_id in self.shims.items() if self._benchmarks(container_id)]
+        for pid, shim in self._descendants(ours).items():
             container_id, process = self.shims[shim], self.processes[pid]
             if pid == shim:
                 continue
@@ -353,6 +358,17 @@ class Watcher:
                 usage = _cgroup_usage_ns(process.cgroup)
                 if usage is not None:
                     self.cgroup_ns[container_id] = max(usage, self.cgroup_ns.get(container_id, 0))
+
+    def _benchmarks(self, container_id: str) -> bool:
+        """Whether a container is one of the benchmark's (a registered scope owns it): only theirs are
+        looked at closely."""
+        labels = self.labels.get(container_id)
+        return labels is not None and any(scope.owner(labels) for scope in self.scopes)
+
+    def register(self, scope: Scope) -> Scope:
+        with self._lock:
+            self.scopes.append(scope)
+        return scope
 
     def _owned_shims(self, scope: Scope) -> dict[int, str]:
         return {pid: cid for pid, cid in self.shims.items() if cid in self.labels and scope.owner(self.labels[cid])}
