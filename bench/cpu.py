@@ -46,10 +46,12 @@ containerd, which everyone shares (below).
   length is subtracted from their figures (never below 0). Contenders run in rounds, in a shuffled
   order, so that a change in the machine's load falls on all of them alike. The containers other users
   created and removed during the windows are counted and reported.
-- Errors, measured in the same run: the exit record is taken before a process's last exit work (its
-  memory unmapped, its parent told), which no record counts: the docker CLI's rusage minus its records
-  gives that tail per process. The container's cgroup (cpuacct), read at each poll, is a cross-check of
-  the container's figure under runc. Records the kernel dropped (a full socket buffer) are counted.
+- Errors, measured in the same run: an exit record is made while the thread is still on the CPU, from
+  the scheduler's sum as last brought up to date (at most a tick, 4 ms, before), and before the
+  process's memory is freed; no record counts that tail. The docker CLI's rusage (what its parent is
+  told at the reap) minus its records gives the tail per process. The container's cgroup (cpuacct),
+  read at each poll, is a cross-check of the container's figure under runc. Records the kernel dropped
+  (a full socket buffer) are counted.
 
 The pooled service is also measured at rest, its pool full and no request, to show what keeping the
 pool costs per second.

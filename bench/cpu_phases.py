@@ -63,7 +63,7 @@ class Probe:
         found: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys([*COMPONENTS, WALL], 0.0))
         for (_, start, started), (phase, end, ended) in itertools.pairwise(self.marks):
             window = Window(1, ended - started, self.watcher.account(start, end, self.scope).cpu_ms)
-            for component, value in per_execution([window], background).items():
+            for component, value in per_execution([window], background, clamp=False).items():
                 if component in COMPONENTS:
                     found[phase][component] += value
             found[phase][WALL] += (ended - started) * 1000

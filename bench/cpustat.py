@@ -122,6 +122,8 @@ TASKSTATS_CMD_ATTR_DEREGISTER_CPUMASK = 4
 TASKSTATS_TYPE_STATS = 3
 TASKSTATS_TYPE_AGGR_PID = 4  # one thread's record; AGGR_TGID (5) carries delay sums only, not CPU
 _NLM_F_REQUEST = 1
+_NLM_F_ACK = 4
+NLMSG_ERROR = 2  # an acknowledgement (error 0) or a refusal (-errno)
 _NLMSG_HEADER = struct.Struct("=IHHII")  # length, type, flags, sequence, port
 _GENL_HEADER = struct.Struct("=BBH")  # command, version, reserved
 _ATTR_HEADER = struct.Struct("=HH")  # length, type
@@ -148,9 +150,24 @@ def netlink_attribute(kind: int, payload: bytes) -> bytes:
     return _ATTR_HEADER.pack(length, kind) + payload + b"\0" * (_align(length) - length)
 
 
-def genl_message(family: int, command: int, attributes: bytes, sequence: int) -> bytes:
+def genl_message(family: int, command: int, attributes: bytes, sequence: int, *, ack: bool = False) -> bytes:
     body = _GENL_HEADER.pack(command, 1, 0) + attributes
-    return _NLMSG_HEADER.pack(_NLMSG_HEADER.size + len(body), family, _NLM_F_REQUEST, sequence, 0) + body
+    flags = _NLM_F_REQUEST | (_NLM_F_ACK if ack else 0)
+    return _NLMSG_HEADER.pack(_NLMSG_HEADER.size + len(body), family, flags, sequence, 0) + body
+
+
+def acknowledgement(datagram: bytes, sequence: int) -> int | None:
+    """The error code (0: done, else -errno) the kernel answered the request `sequence` with, if the
+    datagram holds that answer."""
+    offset = 0
+    while offset + _NLMSG_HEADER.size <= len(datagram):
+        length, kind, _, answered, _ = _NLMSG_HEADER.unpack_from(datagram, offset)
+        if length < _NLMSG_HEADER.size:
+            break
+        if kind == NLMSG_ERROR and answered == sequence and length >= _NLMSG_HEADER.size + 4:
+            return int(struct.unpack_from("=i", datagram, offset + _NLMSG_HEADER.size)[0])
+        offset += _align(length)
+    return None
 
 
 def netlink_attributes(data: bytes) -> list[tuple[int, bytes]]:
@@ -492,10 +509,13 @@ class Window:
     cpu_ms: dict[str, float]
 
 
-def per_execution(windows: Iterable[Window], background_ms_per_s: Mapping[str, float]) -> dict[str, float]:
+def per_execution(
+    windows: Iterable[Window], background_ms_per_s: Mapping[str, float], *, clamp: bool = True
+) -> dict[str, float]:
     """CPU ms per execution by component and in total, over all windows; the background rate of the
     shared engine processes (measured while nothing of the benchmark ran) times each window's length is
-    subtracted from theirs, never below zero."""
+    subtracted from theirs, never below zero with `clamp`. Without it, parts of a whole (the phases of
+    an execution) keep their sign, so that their sum is not biased upwards."""
     totals = dict.fromkeys(COMPONENTS, 0.0)
     executions = 0
     for window in windows:
@@ -507,7 +527,7 @@ def per_execution(windows: Iterable[Window], background_ms_per_s: Mapping[str, f
             totals[component] += value
     if executions == 0:
         return {**totals, "total": 0.0}
-    result = {component: max(0.0, value) / executions for component, value in totals.items()}
+    result = {component: (max(0.0, value) if clamp else value) / executions for component, value in totals.items()}
     return {**result, "total": sum(result.values())}
 
 

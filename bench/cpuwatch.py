@@ -34,6 +34,7 @@ from bench.cpustat import (
     ExitRecord,
     Ledger,
     Process,
+    acknowledgement,
     cgroup_path,
     classify,
     exit_records,
@@ -98,9 +99,18 @@ class TaskstatsSocket:
             self.cpus = online_cpus().encode() + b"\0"
             self.sock.send(
                 genl_message(
-                    self.family, TASKSTATS_CMD_GET, netlink_attribute(TASKSTATS_CMD_ATTR_REGISTER_CPUMASK, self.cpus), 2
+                    self.family,
+                    TASKSTATS_CMD_GET,
+                    netlink_attribute(TASKSTATS_CMD_ATTR_REGISTER_CPUMASK, self.cpus),
+                    2,
+                    ack=True,
                 )
             )
+            answer = None
+            while answer is None:  # exit records may come before the answer: they are not needed yet
+                answer = acknowledgement(self.sock.recv(1 << 16), 2)
+            if answer != 0:
+                raise OSError(-answer, os.strerror(-answer))
             self.sock.setblocking(False)
         except OSError as exc:
             self.sock.close()
@@ -233,18 +243,20 @@ class Watcher:
             if known is None or not known.same_as(record.start_s):
                 self._set_process(record.tgid, Process(record.ppid, record.comm, None, record.start_s))
             elif record.tid == record.tgid and record.comm != known.comm:  # it ran exec after it was seen
-                self._set_process(record.tgid, replace(known, comm=record.comm, label=self._exec_label(known, record)))
+                self._set_process(
+                    record.tgid, replace(known, comm=record.comm, label=self._exec_label(known, record.comm))
+                )
             if record.tid == record.tgid:
                 self.ended[record.tgid] = time.monotonic()
                 if self.shims.get(record.tgid) is not None:
                     self.shim_exits.append((record.tgid, time.monotonic()))
 
-    def _exec_label(self, known: Process, record: ExitRecord) -> str:
-        """`runc init → dumb-init`; or, if it was seen between fork and exec, only its name at the end."""
+    def _exec_label(self, known: Process, comm: str) -> str:
+        """`runc init → dumb-init`; or, if it was seen between fork and exec, only its name now."""
         parent = self.processes.get(known.ppid)
         if parent is not None and parent.label == known.label:
-            return record.comm
-        return f"{known.label} → {record.comm}"
+            return comm
+        return f"{known.label.split(' → ')[0]} → {comm}"
 
     def _alive(self, pid: int) -> bool:
         return pid in self.listed and pid not in self.ended
@@ -426,6 +438,10 @@ class Watcher:
             pids |= set(scope.clients) | set(self._descendants(list(self._owned_shims(scope))))
         for pid in pids:
             self._read_threads(pid)
+            known = self.processes.get(pid)
+            comm = (_read(PROC / str(pid) / "comm") or "").strip()
+            if known is not None and comm and comm != known.comm:  # it ran exec: named as at its exit
+                self._set_process(pid, replace(known, comm=comm, label=self._exec_label(known, comm)))
         self._drain()
         return self.ledger.mark()
 

@@ -446,9 +446,9 @@ def _cpu_notes(cpu: dict[str, Any]) -> list[str]:
             transient = sum(row["processes_per_execution"][part] for part in ("shim", "runtime", "container"))
             tail = row["exit_tail_ms_per_process"]
             notes.append(
-                f"{label}: not counted, each process's exit after its record: {tail:.2f} ms per docker CLI (rusage "
-                f"- record); at that, about {tail * transient:.0f} ms per execution for the {transient:.0f} processes "
-                "below the shim"
+                f"{label}: not counted, what an exit record misses of its process's end: {tail:.2f} ms per docker "
+                f"CLI (its rusage - its records); at that, about {tail * transient:.0f} ms per execution for the "
+                f"{transient:.0f} processes below the shim"
             )
     if cpu["lost_record_datagrams"] or cpu["sampled_records"]:
         notes.append(
@@ -469,17 +469,27 @@ def _cpu_processes(cpu: dict[str, Any]) -> str:
     )
 
 
+def _no_negative_zero(value: float) -> float:
+    return 0.0 if abs(value) < 0.005 else value
+
+
 def _phase_table(runtime: str, path: str, phases: dict[str, dict[str, float]], iterations: int) -> str:
     rows = []
     totals = dict.fromkeys([*_CPU_HEADERS, "total", "wall"], 0.0)
     for phase, parts in phases.items():
         total = sum(parts.get(part, 0.0) for part in _CPU_HEADERS)
         cells = [*(parts.get(part, 0.0) for part in _CPU_HEADERS), total, parts.get("wall", 0.0)]
-        rows.append([phase, *(format_number(value, "ms") for value in cells)])
+        rows.append([phase, *(format_number(_no_negative_zero(value), "ms") for value in cells)])
         if phase != "idle in the pool":
             for key, value in zip(totals, cells, strict=True):
                 totals[key] += value
-    rows.append(["total (idle left out)", *(format_number(value, "ms") for value in totals.values())])
+    rows.append(
+        ["total (idle left out)", *(format_number(_no_negative_zero(value), "ms") for value in totals.values())]
+    )
     what = "a pooled execution (started as the pool does)" if path == "warm" else "a cold execution (pool off)"
     headers = ["phase", *_CPU_HEADERS[:-1], "this process", "total CPU", "wall"]
-    return f"CPU by phase of {what}, {runtime}, in this process, ms ({iterations} runs)\n" + table(headers, rows)
+    return (
+        f"CPU by phase of {what}, {runtime}, in this process, ms ({iterations} runs; dockerd and containerd less "
+        "their background over the phase's wall time, below 0 where the background's noise is larger)\n"
+        + table(headers, rows)
+    )

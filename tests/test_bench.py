@@ -9,6 +9,7 @@ import math
 import os
 import re
 import struct
+import time
 
 import pytest
 
@@ -37,6 +38,7 @@ from bench.cpustat import (
     process_label,
     shim_container_id,
 )
+from bench.cpuwatch import TaskstatsSocket, WatchUnavailable
 from bench.latency import COLD, COLD_RUNSC, DOCKER_RUN, EPICBOX, NODE, POOLED, POOLED_RUNSC
 from bench.report import cpu_tables, render, runtimes_table, sessions_table, targets
 from bench.sessions import CALL, CREATE, mib_per_second, process_cpu_s, status_kib
@@ -576,6 +578,8 @@ def test_per_execution_cpu_subtracts_the_engines_background_over_each_window_and
     assert found[RUNTIME] == 0.0
     assert found["total"] == pytest.approx(25 + 10 + 100 + 5)
     assert per_execution([], {})["total"] == 0.0
+    unclamped = per_execution(windows, {DOCKERD: 10.0, CONTAINERD: 10.0}, clamp=False)
+    assert unclamped[CONTAINERD] == pytest.approx((10 - 40) / 4)  # a phase's share keeps its sign
 
 
 def test_the_background_rate_is_the_engines_cpu_over_the_idle_windows_time() -> None:
@@ -645,3 +649,25 @@ def test_quick_runs_shorten_the_cpu_section_too() -> None:
     assert quick.only == ["cpu"]
     assert quick.cpu_rounds < full.cpu_rounds
     assert quick.cpu_phase_iterations < full.cpu_phase_iterations
+
+
+def test_the_kernel_reports_a_childs_exit_with_its_ids_and_no_more_cpu_than_its_parent_is_told() -> None:
+    if os.geteuid() != 0:  # the kernel refuses the listener; the section then says it needs root
+        with pytest.raises(WatchUnavailable, match="run as root"):
+            TaskstatsSocket()
+        return
+    listener = TaskstatsSocket()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            began = time.thread_time()
+            while time.thread_time() - began < 0.02:
+                pass
+            os._exit(0)
+        _, _, usage = os.wait4(pid, 0)
+        records = [record for record in listener.drain() if record.tgid == pid]  # sent before the parent hears
+    finally:
+        listener.close()
+    assert [(record.tid, record.ppid, record.sampled) for record in records] == [(pid, os.getpid(), False)]
+    # The record is made before the process leaves the CPU: at most what the parent is told at the reap.
+    assert 0 < records[0].cpu_ns <= (usage.ru_utime + usage.ru_stime) * 1e9 + 1000
