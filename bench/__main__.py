@@ -18,7 +18,7 @@ from typing import Any
 
 import docker
 
-from bench import allowlist_rate, benign, http_tool, latency, phases, sequential, sessions, throughput
+from bench import allowlist_rate, benign, cpu, http_tool, latency, phases, sequential, sessions, throughput
 from bench.baselines import BENCH_LABEL, DEFAULT_EPICBOX_VENV, Epicbox, ensure_epicbox_venv
 from bench.machine import REPO, describe, load_average, node_path
 from bench.report import render, targets
@@ -27,7 +27,7 @@ from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.runtime import RUNSC, registration_problem
 from metaagent.settings import Settings
 
-SECTIONS = ("allowlist", "benign", "http", "latency", "phases", "sequential", "sessions", "throughput")
+SECTIONS = ("allowlist", "benign", "cpu", "http", "latency", "phases", "sequential", "sessions", "throughput")
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "latest.json"
 
 
@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--session-transfers", type=int, help="10 MiB uploads and downloads (default 5)")
     parser.add_argument("--idle-sessions", type=int, help="sessions open and idle at once (default 20)")
     parser.add_argument("--idle-seconds", type=float, help="how long they stay idle, measured (default 10)")
+    parser.add_argument("--cpu-rounds", type=int, help="CPU section: rounds of every contender (default 5)")
+    parser.add_argument("--cpu-batch", type=int, help="CPU section: executions per contender and round (default 4)")
+    parser.add_argument("--cpu-phase-iterations", type=int, help="CPU section: in-process runs per path (default 8)")
     parser.add_argument("--no-runsc", action="store_true", help="leave the runsc (gVisor) rows out")
     parser.add_argument("--no-epicbox", action="store_true", help="leave epicbox out of the latency table")
     parser.add_argument("--epicbox-venv", type=Path, default=DEFAULT_EPICBOX_VENV, help="epicbox's own venv")
@@ -85,6 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("idle_sessions", 20, 4),
         ("idle_seconds", 10.0, 2.0),
         ("sequential_calls", 30, 5),
+        ("cpu_rounds", 5, 1),
+        ("cpu_batch", 4, 2),
+        ("cpu_phase_iterations", 8, 1),
     ]:
         if getattr(args, name) is None:
             setattr(args, name, smoke if quick else full)
@@ -175,6 +181,23 @@ def _runsc_usable(client: docker.DockerClient) -> str | None:
     return None if problem is None else f"runsc {problem}"
 
 
+def _cpu(image: str, cpus: float, runsc_problem: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    problem = cpu.unavailable()
+    if problem:
+        progress(f"no CPU section: {problem}")
+        return {"unavailable": problem}
+    return cpu.measure(
+        image=image,
+        cpus=cpus,
+        runsc=runsc_problem is None,
+        rounds=args.cpu_rounds,
+        batch=args.cpu_batch,
+        idle_s=0.3 if args.quick else 1.0,
+        phase_iterations=args.cpu_phase_iterations,
+        progress=progress,
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     only = set(args.only)
     client = docker.from_env()
@@ -200,6 +223,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "session_transfers": args.session_transfers,
         "idle_sessions": args.idle_sessions,
         "idle_seconds": args.idle_seconds,
+        "cpu_rounds": args.cpu_rounds,
+        "cpu_batch": args.cpu_batch,
+        "cpu_phase_iterations": args.cpu_phase_iterations,
     }
     runsc_problem = "--no-runsc" if args.no_runsc else _runsc_usable(client)
     results["config"]["runsc"] = runsc_problem or "measured"
@@ -299,6 +325,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         if "throughput" in only and pooled is not None:
             results["throughput"] = _throughput(pooled, pooled_runsc, image, cpus, args)
+
+        if "cpu" in only:
+            results["cpu"] = _cpu(image, cpus, runsc_problem, args)
 
     results["machine"]["load_average_end"] = load_average()
     results["targets"] = [target.as_dict() for target in targets(results)]

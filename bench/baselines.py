@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from metaagent.sandbox.engine import SANDBOX_UID
+from metaagent.sandbox.runtime import RUNC, Runtime
 from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB, container_spec
 
 PROGRAM = "console.log(1)"
@@ -39,9 +40,10 @@ def node_argv(node: str) -> list[str]:
     return [node, "-e", PROGRAM]
 
 
-def docker_run_argv(image: str, cpus: float) -> list[str]:
-    """`docker run --rm` of the sandbox image with the flags `Engine.create` gives every execution."""
-    spec = container_spec("bench", image, DEFAULT_MEMORY_MB, cpus)
+def docker_run_argv(image: str, cpus: float, runtime: Runtime = RUNC) -> list[str]:
+    """`docker run --rm` of the sandbox image with the flags `Engine.create` gives every execution under
+    `runtime` (runsc: its pids cgroup room and the guest's process limit, see metaagent.sandbox.runtime)."""
+    spec = container_spec("bench", image, DEFAULT_MEMORY_MB, cpus, runtime=runtime)
     memory = f"{spec.memory_mb}m"
     tmpfs = f"/tmp:rw,nosuid,nodev,noexec,size={spec.tmp_size_mb}m,nr_inodes={spec.tmp_inodes},mode=1777"
     return [
@@ -59,6 +61,8 @@ def docker_run_argv(image: str, cpus: float) -> list[str]:
         "--cpus", str(spec.cpus),
         "--pids-limit", str(spec.pids_limit),
         "--ulimit", f"nofile={spec.nofile}:{spec.nofile}",
+        *(["--ulimit", f"nproc={spec.nproc}:{spec.nproc}"] if spec.nproc is not None else []),
+        *(["--runtime", spec.runtime] if spec.runtime != RUNC.name else []),
         "--ipc", "none",
         "--log-driver", "none",
         "--hostname", "sandbox",

@@ -112,6 +112,7 @@ def targets(results: dict[str, Any]) -> list[Target]:
             "runsc: back-to-back calls p50 / node -e p50", _sequential(results, "runsc", "p50_ratio"), "<=", 1.5, "x"
         ),
         *(target for runtime in ("runc", "runsc") for target in _session_targets(results, runtime)),
+        *cpu_targets(results),
     ]
 
 
@@ -245,6 +246,9 @@ def render(results: dict[str, Any]) -> str:
     sessions_part = sessions_table(results)
     if sessions_part:
         parts.append(sessions_part)
+    cpu = cpu_tables(results)
+    if cpu:
+        parts.append(cpu)
     rows = [
         [t.name, format_number(t.measured, t.unit), f"{t.comparison} {format_number(t.bound, t.unit)}", t.verdict]
         for t in targets(results)
@@ -349,4 +353,143 @@ def sessions_table(results: dict[str, Any]) -> str | None:
     rounds = results["sessions"][runtimes[0]]["rounds"]
     return f"Sessions ({rounds} rounds, shuffled order; a service of their own per runtime)\n" + table(
         ["measure", *runtimes], rows
+    )
+
+
+# --- the CPU section (bench/cpu.py) ---
+
+_CPU_HEADERS = ["dockerd", "containerd", "shim", "runtime", "container", "client"]
+
+
+def _cpu_row(results: dict[str, Any], name: str, runtime: str) -> dict[str, Any] | None:
+    for row in results.get("cpu", {}).get("contenders", []):
+        if row["name"] == name and row["runtime"] == runtime:
+            found: dict[str, Any] = row
+            return found
+    return None
+
+
+def cpu_ratio(results: dict[str, Any], name: str, runtime: str) -> float | None:
+    """`name`'s host CPU per execution over that of `docker run --rm` under the same runtime."""
+    row, baseline = _cpu_row(results, name, runtime), _cpu_row(results, DOCKER_RUN, runtime)
+    if row is None or baseline is None:
+        return None
+    return ratio(row["per_execution_ms"]["total"], baseline["per_execution_ms"]["total"])
+
+
+def cpu_targets(results: dict[str, Any]) -> list[Target]:
+    return [
+        Target("host CPU per execution: pooled / docker run --rm", cpu_ratio(results, POOLED, "runc"), "<=", 0.6, "x"),
+        Target(
+            "runsc: host CPU per execution: pooled / docker run --rm",
+            cpu_ratio(results, POOLED, "runsc"),
+            "<=",
+            0.6,
+            "x",
+        ),
+    ]
+
+
+def cpu_tables(results: dict[str, Any]) -> str | None:
+    """The CPU per execution by part and contender, what was subtracted and checked, and by phase."""
+    cpu = results.get("cpu")
+    if not cpu:
+        return None
+    if "unavailable" in cpu:
+        return f"Host CPU per execution: not measured ({cpu['unavailable']})"
+    rows = []
+    for row in cpu["contenders"]:
+        ms = row["per_execution_ms"]
+        rows.append(
+            [
+                row["name"],
+                row["runtime"],
+                *(format_number(ms[part], "ms") for part in _CPU_HEADERS),
+                format_number(ms["total"], "ms"),
+                format_number(cpu_ratio(results, row["name"], row["runtime"]), "x"),
+            ]
+        )
+    parts = [
+        f"Host CPU per execution of console.log(1), ms ({cpu['rounds']} rounds x {cpu['batch']} executions per "
+        "contender; client: the service process, or the docker CLI)\n"
+        + table(["contender", "runtime", *_CPU_HEADERS, "total", "/ docker run --rm"], rows),
+        "\n".join(_cpu_notes(cpu)),
+        _cpu_processes(cpu),
+    ]
+    for runtime, paths in cpu.get("phases_ms", {}).items():
+        for path, phases in paths.items():
+            parts.append(_phase_table(runtime, path, phases, cpu["phase_iterations"]))
+    return "\n\n".join(part for part in parts if part)
+
+
+def _cpu_notes(cpu: dict[str, Any]) -> list[str]:
+    background = cpu["background_ms_per_s"]
+    notes = [
+        f"subtracted from dockerd and containerd: their background, {background['dockerd']:.1f} and "
+        f"{background['containerd']:.1f} ms/s over {cpu['idle_seconds']:.0f} s of idle windows; containers of "
+        f"other users that ended meanwhile: {sum(r['foreign_container_exits'] for r in cpu['contenders'])} during "
+        f"the windows, {cpu['idle_foreign_container_exits']} during the idle ones"
+    ]
+    for row in cpu["contenders"]:
+        label = f"{row['name']} ({row['runtime']})"
+        if "metrics_polls" in row:
+            rest = row["at_rest_ms_per_s"]
+            notes.append(
+                f"{label}: paths {row.get('paths')}; {row['metrics_polls']} /metrics polls for a full pool, "
+                f"{row['metrics_poll_cost_ms']:.2f} ms of service CPU each, subtracted; the pool at rest uses "
+                f"{sum(rest.values()):.1f} ms/s (shim {rest['shim']:.1f}, container {rest['container']:.1f}, "
+                f"service {rest['client']:.1f}), {row['at_rest_share_ms']:.0f} ms of each execution's figure"
+            )
+        if "container_cgroup_over_ledger" in row:
+            notes.append(f"{label}: container cgroup / counted container CPU {row['container_cgroup_over_ledger']:.2f}")
+        if row.get("exit_tail_ms_per_process") is not None:
+            transient = sum(row["processes_per_execution"][part] for part in ("shim", "runtime", "container"))
+            tail = row["exit_tail_ms_per_process"]
+            notes.append(
+                f"{label}: not counted, what an exit record misses of its process's end: {tail:.2f} ms per docker "
+                f"CLI (its rusage - its records); at that, about {tail * transient:.0f} ms per execution for the "
+                f"{transient:.0f} processes below the shim"
+            )
+    if cpu["lost_record_datagrams"] or cpu["sampled_records"]:
+        notes.append(
+            f"exit records lost: {cpu['lost_record_datagrams']} datagrams; tick-sampled: {cpu['sampled_records']}"
+        )
+    return notes
+
+
+def _cpu_processes(cpu: dict[str, Any]) -> str:
+    contenders = cpu["contenders"]
+    labels = sorted({label for row in contenders for label in row["by_process_ms"]})
+    if not labels:
+        return ""
+    rows = [[label, *(format_number(row["by_process_ms"].get(label), "ms") for row in contenders)] for label in labels]
+    headers = ["process (part: what it runs)", *(f"{row['name']} ({row['runtime']})" for row in contenders)]
+    return "The same by process, ms per execution (dockerd's and containerd's own threads left out)\n" + table(
+        headers, rows
+    )
+
+
+def _no_negative_zero(value: float) -> float:
+    return 0.0 if abs(value) < 0.005 else value
+
+
+def _phase_table(runtime: str, path: str, phases: dict[str, dict[str, float]], iterations: int) -> str:
+    rows = []
+    totals = dict.fromkeys([*_CPU_HEADERS, "total", "wall"], 0.0)
+    for phase, parts in phases.items():
+        total = sum(parts.get(part, 0.0) for part in _CPU_HEADERS)
+        cells = [*(parts.get(part, 0.0) for part in _CPU_HEADERS), total, parts.get("wall", 0.0)]
+        rows.append([phase, *(format_number(_no_negative_zero(value), "ms") for value in cells)])
+        if phase != "idle in the pool":
+            for key, value in zip(totals, cells, strict=True):
+                totals[key] += value
+    rows.append(
+        ["total (idle left out)", *(format_number(_no_negative_zero(value), "ms") for value in totals.values())]
+    )
+    what = "a pooled execution (started as the pool does)" if path == "warm" else "a cold execution (pool off)"
+    headers = ["phase", *_CPU_HEADERS[:-1], "this process", "total CPU", "wall"]
+    return (
+        f"CPU by phase of {what}, {runtime}, in this process, ms ({iterations} runs; dockerd and containerd less "
+        "their background over the phase's wall time, below 0 where the background's noise is larger)\n"
+        + table(headers, rows)
     )

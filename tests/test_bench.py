@@ -8,16 +8,43 @@ from __future__ import annotations
 import math
 import os
 import re
+import struct
+import time
 
 import pytest
 
 from bench.__main__ import finite, parse_args
 from bench.baselines import docker_run_argv
+from bench.cpustat import (
+    CLIENT,
+    CONTAINER,
+    CONTAINERD,
+    DOCKERD,
+    RUNTIME,
+    SHIM,
+    ExitRecord,
+    Ledger,
+    Process,
+    Window,
+    background_rate,
+    cgroup_path,
+    classify,
+    exit_records,
+    family_id,
+    is_runtime_invocation,
+    parse_schedstat,
+    parse_stat,
+    per_execution,
+    process_label,
+    shim_container_id,
+)
+from bench.cpuwatch import TaskstatsSocket, WatchUnavailable
 from bench.latency import COLD, COLD_RUNSC, DOCKER_RUN, EPICBOX, NODE, POOLED, POOLED_RUNSC
-from bench.report import render, runtimes_table, sessions_table, targets
+from bench.report import cpu_tables, render, runtimes_table, sessions_table, targets
 from bench.sessions import CALL, CREATE, mib_per_second, process_cpu_s, status_kib
 from bench.sessions import NODE as SESSIONS_NODE
 from bench.stats import Summary, Target, format_number, percentile, ratio
+from metaagent.sandbox.runtime import RUNSC
 
 
 def test_percentile_interpolates_between_closest_ranks() -> None:
@@ -100,6 +127,8 @@ def test_targets_are_the_issues_ratios_of_one_runs_figures() -> None:
         "back-to-back calls p50 / node -e p50": (None, "n/a"),
         "back-to-back calls p95 / node -e p50": (None, "n/a"),
         "runsc: back-to-back calls p50 / node -e p50": (None, "n/a"),
+        "host CPU per execution: pooled / docker run --rm": (None, "n/a"),
+        "runsc: host CPU per execution: pooled / docker run --rm": (None, "n/a"),
     }
 
 
@@ -281,3 +310,364 @@ def test_session_targets_are_not_applicable_without_the_sessions_section() -> No
     assert found["session: 10 MiB download"] == "n/a"
     assert found["runsc: session call (1+1) p50 / node -e p50"] == "n/a"
     assert sessions_table({"machine": {}}) is None
+
+
+# --- the CPU section (bench/cpustat.py, bench/report.py) ---
+
+
+def test_a_proc_stat_line_is_read_past_a_name_with_spaces_and_parentheses() -> None:
+    fields = ["S", "45", "1", "1", "0", "-1", "4194560", "10", "0", "0", "0", "7", "3", "11", "2", "20", "0", "1"]
+    line = "123 (a b) c) " + " ".join([*fields, "0", "98765", "2400256"]) + "\n"
+    stat = parse_stat(line)
+    assert (stat.pid, stat.comm, stat.ppid) == (123, "a b) c", 45)
+    assert (stat.utime, stat.stime, stat.cutime, stat.cstime, stat.starttime) == (7, 3, 11, 2, 98765)
+
+
+def test_schedstat_gives_a_threads_time_on_a_cpu_in_nanoseconds() -> None:
+    assert parse_schedstat("200757511 1200 35\n") == 200757511
+
+
+def test_the_cpuacct_cgroup_is_found_in_v1_and_the_unified_path_in_v2() -> None:
+    v1 = "9:name=systemd:/\n2:cpuacct:/docker/abc\n1:cpu:/docker/abc\n0::/\n"
+    assert cgroup_path(v1) == "/docker/abc"
+    assert cgroup_path("4:cpu,cpuacct:/x\n") == "/x"
+    assert cgroup_path("0::/system.slice/docker-abc.scope\n") == "/system.slice/docker-abc.scope"
+
+
+def test_a_shims_container_is_the_value_of_its_id_flag() -> None:
+    argv = ["/usr/bin/containerd-shim-runc-v2", "-namespace", "moby", "-id", "abc123", "-address", "/x.sock"]
+    assert shim_container_id(argv) == "abc123"
+    assert shim_container_id(["containerd", "--config", "x"]) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "label"),
+    [
+        (
+            ["runc", "--root", "/r", "--log", "/l.json", "--log-format", "json", "create", "--bundle", "/b", "id"],
+            "runc create",
+        ),
+        (["/usr/bin/runc", "init"], "runc init"),
+        (["/usr/bin/containerd-shim-runc-v2", "-namespace", "moby", "-id", "x", "start"], "containerd-shim start"),
+        (["/usr/bin/containerd-shim-runc-v2", "-namespace", "moby", "-id", "x", "-address", "/s"], "containerd-shim"),
+        (["/bin/sh", "/var/lib/docker/runtimes/runsc", "--root", "/r", "delete", "id"], "sh runsc delete"),
+        (["runsc-sandbox", "--root=/r", "--network=none", "boot", "--bundle=/b", "id"], "runsc-sandbox boot"),
+        (["libnetwork-setkey", "-exec-root=/var/run/docker", "abc", "def"], "libnetwork-setkey"),
+        (["/usr/bin/node", "/opt/runner/runner.js"], "node"),
+        ([""], "dumb-init"),
+    ],
+)
+def test_a_process_is_labelled_by_its_program_and_the_runtimes_subcommand(argv: list[str], label: str) -> None:
+    assert process_label("dumb-init", argv) == label
+
+
+@pytest.mark.parametrize(
+    ("label", "invocation"),
+    [
+        ("runc create", True),
+        ("runc delete", True),
+        ("runc", True),
+        ("sh runsc start", True),
+        ("libnetwork-setkey", True),
+        ("runc init", False),
+        ("runsc-sandbox boot", False),
+        ("runsc-gofer gofer", False),
+        ("node", False),
+        ("", False),
+    ],
+)
+def test_runs_of_the_runtimes_command_and_hooks_are_invocations(label: str, invocation: bool) -> None:
+    assert is_runtime_invocation(label) is invocation
+
+
+def _taskstats(*, version: int, tid: int, tgid: int, ppid: int, comm: bytes, virtual_ns: int, utime_us: int) -> bytes:
+    """A struct taskstats laid out as linux/taskstats.h says (version 11 and on)."""
+    stats = bytearray(400)
+    struct.pack_into("=H", stats, 0, version)
+    struct.pack_into("=Q", stats, 72, virtual_ns)  # cpu_run_virtual_total
+    stats[80 : 80 + len(comm)] = comm  # ac_comm[32]
+    struct.pack_into("=II", stats, 128, tid, ppid)  # ac_pid, ac_ppid
+    struct.pack_into("=QQ", stats, 152, utime_us, 0)  # ac_utime, ac_stime
+    struct.pack_into("=Q", stats, 344, 1_700_000_000)  # ac_btime64
+    struct.pack_into("=I", stats, 368, tgid)  # ac_tgid
+    return bytes(stats)
+
+
+def _attribute(kind: int, payload: bytes) -> bytes:
+    length = 4 + len(payload)
+    return struct.pack("=HH", length, kind) + payload + b"\0" * (-length % 4)
+
+
+def _datagram(family: int, *stats: bytes) -> bytes:
+    messages = b""
+    for one in stats:
+        nested = _attribute(1, struct.pack("=I", 7)) + _attribute(3, one)  # TASKSTATS_TYPE_PID, _STATS
+        body = struct.pack("=BBH", 2, 1, 0) + _attribute(4 | 0x8000, nested)  # CMD_NEW; AGGR_PID, nested flag
+        messages += struct.pack("=IHHII", 16 + len(body), family, 0, 0, 0) + body
+    return messages
+
+
+def test_exit_records_carry_each_threads_ids_name_and_scheduler_time() -> None:
+    first = _taskstats(version=16, tid=5, tgid=4, ppid=3, comm=b"runc:[1:CHILD]", virtual_ns=1_234_567, utime_us=4000)
+    second = _taskstats(version=11, tid=9, tgid=9, ppid=4, comm=b"node", virtual_ns=0, utime_us=8000)
+    records = exit_records(_datagram(31, first, second) + _datagram(99, first), 31)
+    assert records == [
+        ExitRecord(tid=5, tgid=4, ppid=3, comm="runc:[1:CHILD]", cpu_ns=1_234_567, start_s=1_700_000_000),
+        # No scheduler sum from the kernel: the tick-sampled times, flagged as such.
+        ExitRecord(tid=9, tgid=9, ppid=4, comm="node", cpu_ns=8_000_000, start_s=1_700_000_000, sampled=True),
+    ]
+
+
+def test_an_exit_record_without_the_thread_group_id_is_skipped() -> None:
+    old = _taskstats(version=10, tid=5, tgid=4, ppid=3, comm=b"x", virtual_ns=10, utime_us=0)
+    assert exit_records(_datagram(31, old), 31) == []
+
+
+def test_the_taskstats_family_id_is_read_from_the_controllers_reply() -> None:
+    body = struct.pack("=BBH", 1, 2, 0) + _attribute(2, b"TASKSTATS\0") + _attribute(1, struct.pack("=H", 31))
+    reply = struct.pack("=IHHII", 16 + len(body), 0x10, 0, 1, 0) + body
+    assert family_id(reply) == 31
+    error = struct.pack("=IHHII", 36, 2, 0, 1, 0) + struct.pack("=i", -2) + bytes(16)
+    assert family_id(error) is None
+
+
+def _exit(tid: int, tgid: int, cpu_ns: int) -> ExitRecord:
+    return ExitRecord(tid=tid, tgid=tgid, ppid=1, comm="x", cpu_ns=cpu_ns)
+
+
+def test_the_ledger_counts_growth_of_a_running_thread_and_all_of_one_born_in_between() -> None:
+    ledger = Ledger()
+    ledger.observe(1, 1, 100)
+    start = ledger.mark()
+    ledger.observe(1, 1, 150)
+    ledger.observe(2, 1, 30)
+    end = ledger.mark()
+    assert ledger.between(start, end) == {1: 80}
+    assert ledger.between(start, end, exclude={2}) == {1: 50}
+
+
+def test_the_ledger_counts_a_thread_up_to_its_exit_and_ignores_a_reading_of_its_zombie() -> None:
+    ledger = Ledger()
+    ledger.observe(3, 7, 10)
+    start = ledger.mark()
+    ledger.exited(_exit(3, 7, 25))
+    ledger.observe(3, 7, 25)  # /proc still shows it until it is reaped
+    middle = ledger.mark()
+    ledger.observe(3, 7, 25)
+    end = ledger.mark()
+    assert ledger.between(start, middle) == {7: 15}
+    assert ledger.between(middle, end) == {}
+
+
+def test_the_ledger_takes_a_reused_thread_id_for_a_new_thread() -> None:
+    ledger = Ledger()
+    ledger.exited(_exit(5, 1, 100))
+    start = ledger.mark()
+    ledger.observe(5, 9, 7)
+    end = ledger.mark()
+    assert ledger.between(start, end) == {9: 7}
+
+
+def test_the_ledger_forgets_only_what_later_intervals_do_not_need() -> None:
+    ledger = Ledger()
+    ledger.observe(1, 1, 100)
+    ledger.exited(_exit(2, 2, 40))
+    first = ledger.mark()
+    ledger.observe(1, 1, 120)
+    second = ledger.mark()
+    ledger.forget_before(first)
+    ledger.observe(1, 1, 125)
+    third = ledger.mark()
+    assert ledger.between(first, second) == {1: 20}
+    assert ledger.between(second, third) == {1: 5}
+
+
+DOCKERD_PID, CONTAINERD_PID, SERVICE_PID, BENCH_PID = 2, 3, 40, 70
+
+
+def _runc_tree() -> dict[int, Process]:
+    """An execution under runc as /proc and the exit records show it, with another user's beside it."""
+    return {
+        9: Process(CONTAINERD_PID, "containerd-shim", label="containerd-shim start"),  # the shim's launcher
+        10: Process(9, "containerd-shim", label="containerd-shim"),
+        11: Process(10, "runc", "/", label="runc create"),
+        12: Process(11, "dumb-init", "/docker/abc", label="runc init → dumb-init"),
+        13: Process(12, "node", "/docker/abc", label="node"),
+        14: Process(11, "runc:[1:CHILD]"),  # never seen running: known from its exit record
+        15: Process(11, "exe", "/", label="libnetwork-setkey"),
+        16: Process(10, "runc"),
+        20: Process(DOCKERD_PID, "exe", "/", label="set-ipv6", args=("set-ipv6", "/var/run/docker/netns/ns1", "all")),
+        21: Process(DOCKERD_PID, "exe", "/", label="set-ipv6", args=("set-ipv6", "/var/run/docker/netns/other")),
+        22: Process(CONTAINERD_PID, "containerd-shim"),  # someone's launcher, never seen
+        30: Process(1, "containerd-shim", label="containerd-shim"),  # another user's container
+        31: Process(30, "runc", "/", label="runc create"),
+        SERVICE_PID: Process(BENCH_PID, "python", label="python"),
+    }
+
+
+def test_an_executions_processes_under_runc_are_sorted_into_its_parts() -> None:
+    processes = _runc_tree()
+    found = classify(
+        processes,
+        processes,
+        shims={10: "abc"},
+        dockerd=[DOCKERD_PID],
+        containerd=[CONTAINERD_PID],
+        clients=[SERVICE_PID],
+        keys=["abc", "ns1"],
+    )
+    assert found == {
+        9: CONTAINERD,
+        10: SHIM,
+        11: RUNTIME,
+        12: CONTAINER,
+        13: CONTAINER,
+        14: CONTAINER,  # one of runc's init stages
+        15: RUNTIME,
+        16: RUNTIME,
+        20: DOCKERD,
+        SERVICE_PID: CLIENT,
+    }
+
+
+def test_runcs_init_stages_are_the_containers_though_never_seen_in_its_cgroup() -> None:
+    processes = {10: Process(1, "containerd-shim"), 11: Process(10, "runc"), 14: Process(11, "runc:[1:CHILD]")}
+    found = classify([14], processes, shims={10: "abc"}, dockerd=[2], containerd=[3])
+    assert found == {14: CONTAINER}
+
+
+def test_under_runsc_the_runtimes_runs_are_the_runtimes_even_inside_the_containers_cgroup() -> None:
+    processes = {
+        50: Process(1, "containerd-shim", label="containerd-shim"),
+        51: Process(50, "runsc", "/", label="sh runsc create"),
+        52: Process(51, "runsc", "/def", label="runsc create"),  # runsc create joins the cgroup
+        53: Process(52, "exe", "/def", label="runsc-gofer gofer"),
+        54: Process(52, "exe", "/def", label="runsc-sandbox boot"),
+        55: Process(54, "exe"),  # a stub of the sandbox, never seen running
+        56: Process(52, "exe", "/def", label="libnetwork-setkey"),  # a hook runsc create ran
+        57: Process(52, "exe"),  # a helper of runsc create, never seen running
+    }
+    found = classify(processes, processes, shims={50: "def"}, dockerd=[2], containerd=[3])
+    assert found == {
+        50: SHIM,
+        51: RUNTIME,
+        52: RUNTIME,
+        53: CONTAINER,
+        54: CONTAINER,
+        55: CONTAINER,
+        56: RUNTIME,
+        57: RUNTIME,
+    }
+
+
+def test_the_docker_clis_are_the_clients_of_docker_run_and_no_other_child_is() -> None:
+    processes = {60: Process(BENCH_PID, "docker"), 61: Process(BENCH_PID, "python"), BENCH_PID: Process(1, "python")}
+    found = classify(processes, processes, shims={}, dockerd=[2], containerd=[3], client_children=(BENCH_PID, "docker"))
+    assert found == {60: CLIENT}
+
+
+def test_per_execution_cpu_subtracts_the_engines_background_over_each_window_and_never_goes_below_zero() -> None:
+    windows = [
+        Window(2, 1.0, {DOCKERD: 50.0, CONTAINERD: 5.0, SHIM: 20.0, CONTAINER: 200.0, CLIENT: 10.0}),
+        Window(2, 3.0, {DOCKERD: 90.0, CONTAINERD: 5.0, SHIM: 20.0, CONTAINER: 200.0, CLIENT: 10.0}),
+    ]
+    found = per_execution(windows, {DOCKERD: 10.0, CONTAINERD: 10.0})
+    assert found[DOCKERD] == pytest.approx((140 - 40) / 4)
+    assert found[CONTAINERD] == 0.0  # 10 measured, 40 of background: clamped
+    assert found[SHIM] == pytest.approx(10.0)
+    assert found[RUNTIME] == 0.0
+    assert found["total"] == pytest.approx(25 + 10 + 100 + 5)
+    assert per_execution([], {})["total"] == 0.0
+    unclamped = per_execution(windows, {DOCKERD: 10.0, CONTAINERD: 10.0}, clamp=False)
+    assert unclamped[CONTAINERD] == pytest.approx((10 - 40) / 4)  # a phase's share keeps its sign
+
+
+def test_the_background_rate_is_the_engines_cpu_over_the_idle_windows_time() -> None:
+    idle = [Window(0, 1.0, {DOCKERD: 3.0, CONTAINERD: 1.0, SHIM: 99.0}), Window(0, 3.0, {DOCKERD: 9.0})]
+    assert background_rate(idle) == {DOCKERD: 3.0, CONTAINERD: 0.25}
+    assert background_rate([]) == {DOCKERD: 0.0, CONTAINERD: 0.0}
+
+
+def _cpu_row(name: str, runtime: str, total: float) -> dict[str, object]:
+    per = {DOCKERD: 0.1 * total, CONTAINERD: 0.0, SHIM: 0.0, RUNTIME: 0.2 * total, CONTAINER: 0.7 * total, CLIENT: 0.0}
+    return {
+        "name": name,
+        "runtime": runtime,
+        "per_execution_ms": {**per, "total": total},
+        "by_process_ms": {"container: node": 0.7 * total},
+        "processes_per_execution": {SHIM: 1.0, RUNTIME: 4.0, CONTAINER: 3.0},
+        "foreign_container_exits": 1,
+    }
+
+
+def test_the_cpu_target_is_the_pooled_services_cpu_over_docker_runs_under_the_same_runtime() -> None:
+    rows = [
+        _cpu_row(POOLED, "runc", 150.0),
+        _cpu_row(COLD, "runc", 330.0),
+        _cpu_row(DOCKER_RUN, "runc", 300.0),
+        _cpu_row(POOLED, "runsc", 500.0),
+        _cpu_row(DOCKER_RUN, "runsc", 625.0),
+    ]
+    cpu = {
+        "rounds": 2,
+        "batch": 2,
+        "contenders": rows,
+        "background_ms_per_s": {DOCKERD: 1.0, CONTAINERD: 0.5},
+        "idle_seconds": 12.0,
+        "idle_foreign_container_exits": 0,
+        "lost_record_datagrams": 0,
+        "sampled_records": 0,
+        "phase_iterations": 1,
+        "phases_ms": {"runc": {"warm": {"create": {DOCKERD: 5.0, "wall": 9.0}, "idle in the pool": {SHIM: 1.0}}}},
+    }
+    found = {t.name: (t.measured, t.verdict) for t in targets({"cpu": cpu})}
+    assert found["host CPU per execution: pooled / docker run --rm"] == (0.5, "pass")
+    assert found["runsc: host CPU per execution: pooled / docker run --rm"] == (0.8, "miss")
+    text = cpu_tables({"cpu": cpu})
+    assert text is not None
+    lines = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in text.splitlines())}
+    assert lines["service, pool off"][-1] == "1.10x"  # 330 / 300, the docker run of its own runtime
+    assert lines["total (idle left out)"][1:3] == ["5.00 ms", "0.00 ms"]  # the idle phase is not in the total
+    assert "container: node" in text
+
+
+def test_a_cpu_section_that_could_not_run_says_why() -> None:
+    assert cpu_tables({"cpu": {"unavailable": "needs root"}}) == "Host CPU per execution: not measured (needs root)"
+    assert cpu_tables({}) is None
+
+
+def test_the_runsc_docker_run_baseline_has_the_services_runsc_limits() -> None:
+    joined = " ".join(docker_run_argv("metaagent-sandbox:test", 0.5, RUNSC))
+    assert "--runtime runsc" in joined
+    assert f"--pids-limit {RUNSC.pids_limit()}" in joined
+    assert "--ulimit nproc=32:32" in joined
+    assert "--runtime" not in " ".join(docker_run_argv("metaagent-sandbox:test", 0.5))
+
+
+def test_quick_runs_shorten_the_cpu_section_too() -> None:
+    quick, full = parse_args(["--quick", "--only", "cpu"]), parse_args([])
+    assert quick.only == ["cpu"]
+    assert quick.cpu_rounds < full.cpu_rounds
+    assert quick.cpu_phase_iterations < full.cpu_phase_iterations
+
+
+def test_the_kernel_reports_a_childs_exit_with_its_ids_and_no_more_cpu_than_its_parent_is_told() -> None:
+    if os.geteuid() != 0:  # the kernel refuses the listener; the section then says it needs root
+        with pytest.raises(WatchUnavailable, match="run as root"):
+            TaskstatsSocket()
+        return
+    listener = TaskstatsSocket()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            began = time.thread_time()
+            while time.thread_time() - began < 0.02:
+                pass
+            os._exit(0)
+        _, _, usage = os.wait4(pid, 0)
+        records = [record for record in listener.drain() if record.tgid == pid]  # sent before the parent hears
+    finally:
+        listener.close()
+    assert [(record.tid, record.ppid, record.sampled) for record in records] == [(pid, os.getpid(), False)]
+    # The record is made before the process leaves the CPU: at most what the parent is told at the reap.
+    assert 0 < records[0].cpu_ns <= (usage.ru_utime + usage.ru_stime) * 1e9 + 1000
