@@ -186,9 +186,12 @@ def test_inode_flood_in_tmp_ends_in_enospc_under_runc_and_at_the_memory_limit_un
         assert not outcome.oom_killed
     else:
         # gVisor's tmpfs has no inode limit: its inodes live in gVisor's memory, inside the memory limit.
+        # The kill at the limit is SIGKILL (137); the engine flags it oom_killed when it sees the cgroup's
+        # OOM event, which under runsc it sometimes does not (README, isolation runtimes).
         outcome = run_raw(flood, memory_mb=64, timeout_s=120)
-        assert outcome.oom_killed, outcome
-        assert outcome.exit_code == 137
+        assert outcome.exit_code == 137, outcome
+        assert not outcome.timed_out
+        assert not outcome.killed
 
 
 def test_opening_300_files_fails(run_raw: RunRaw) -> None:
