@@ -266,18 +266,21 @@ class WarmPool:
             self._group.start_soon(self._remove_dead if died else self._remove, warm)
 
     async def _remove_dead(self, warm: Warm) -> None:
-        """A runner that ended while it waited: said in the log with how it ended, then removed."""
-        with anyio.move_on_after(2):  # what it wrote as it ended (nothing reads a waiting container's stream)
-            while await warm.prepared.read_some():
-                pass
-        how = await self._how_it_ended(warm.prepared.container_id)
-        log.warning(
-            "warm container %s: the runner ended while it waited (%s): %r",
-            warm.prepared.container_id[:12],
-            how,
-            warm.prepared.output.stderr.text()[:300],
-        )
-        await self._remove(warm)
+        """A runner that ended while it waited: said in the log with how it ended, then removed (whatever
+        happens to the telling: a shutdown that cancels it still removes the container)."""
+        try:
+            with anyio.move_on_after(2):  # what it wrote as it ended (nothing reads a waiting container's stream)
+                while await warm.prepared.read_some():
+                    pass
+            how = await self._how_it_ended(warm.prepared.container_id)
+            log.warning(
+                "warm container %s: the runner ended while it waited (%s): %r",
+                warm.prepared.container_id[:12],
+                how,
+                warm.prepared.output.stderr.text()[:300],
+            )
+        finally:
+            await self._remove(warm)
 
     async def _remove(self, warm: Warm) -> None:
         warm.prepared.sock.close()
