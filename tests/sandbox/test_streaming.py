@@ -19,7 +19,7 @@ import pytest
 
 from metaagent.client import AsyncClient, Client, Finished, Output
 from metaagent.errors import ServiceError
-from tests.sandbox.conftest import Service, audit_record, running_service
+from tests.sandbox.conftest import Service, audit_record, audit_records, running_service
 from tests.sandbox.test_code_interpreter import _rss_kib
 from tests.test_cli import serving
 
@@ -200,6 +200,10 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_container(
             break
         time.sleep(0.05)
     assert containers_of(execution_id) == []
+    for _ in range(200):  # the record is written once the container is removed, a moment later
+        if any(r.get("execution_id") == execution_id for r in audit_records(sandbox_service)):
+            break
+        time.sleep(0.05)
     assert audit_record(sandbox_service, execution_id)["outcome"] == {"status": "error", "error": "cancelled"}
 
 
