@@ -103,9 +103,7 @@ class WarmPool:
             warm = self._ready.popleft()
             waiting = _still_waiting(warm)
             if warm.spec.image == image_tag and waiting:
-                self.served += 1
-                self._lent += 1
-                return warm
+                return self._lend(warm)
             if not waiting:
                 metrics.pool_start_retry()
                 self._discard(warm, died=True)
@@ -145,15 +143,20 @@ class WarmPool:
             return False
         taker = self._takers.popleft()
         if warm.spec.image == taker.image_tag:
-            self.served += 1
-            self._lent += 1
-            taker.warm = warm
+            taker.warm = self._lend(warm)
         else:
             self._discard(warm)  # an image rebuilt since the start began: the taker goes cold
         taker.handed.set()
         return True
 
+    def _lend(self, warm: Warm) -> Warm:
+        """Counts a container handed to an execution (replaced once it ends, see `finished`)."""
+        self.served += 1
+        self._lent += 1
+        return warm
+
     def _give_back(self, warm: Warm) -> None:
+        """Undoes `_lend` for a container its taker never used."""
         self.served -= 1
         self._lent -= 1
         self._ready.appendleft(warm)
