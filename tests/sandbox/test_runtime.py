@@ -179,14 +179,17 @@ def runsc_beside_the_engine(tmp_path: Path, hostname: str, *, this_engines: bool
     spec["process"].update(user={"uid": 1001, "gid": 1001}, terminal=False)
     (bundle / "config.json").write_text(json.dumps(spec))
     argv = [runsc, "--root", str(root), "--network=none", "run", "-detach", "-bundle", str(bundle), container_id]
+    errors = tmp_path / f"runsc-run-{container_id[:8]}.err"
     for _attempt in range(5):
-        # Not captured: the detached sandbox would hold the pipes open, and the wait for their end would hang.
-        started = subprocess.run(argv, timeout=60, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-        # Killed (-9): a service of another test swept it while it started, as it should; start it again.
-        if started.returncode != -signal.SIGKILL:
+        # Into a file, not a pipe: the detached sandbox would hold a pipe open, and the wait for its end would hang.
+        with errors.open("w") as stderr:
+            started = subprocess.run(argv, timeout=60, stdout=subprocess.DEVNULL, stderr=stderr, check=False)
+        if started.returncode == 0:
             break
+        # A service of another test swept it while it started, as it should: runsc then dies of SIGKILL or
+        # exits 128 when the sandbox it waits for is killed. Start it again; a real fault fails each time.
         subprocess.run([runsc, "--root", str(root), "delete", "-force", container_id], timeout=60, check=False)
-    assert started.returncode == 0, f"runsc run exited with {started.returncode}"
+    assert started.returncode == 0, f"runsc run exited with {started.returncode}: {errors.read_text()[-2000:]}"
     try:
         yield container_id, str(root)
     finally:
