@@ -115,11 +115,15 @@ def test_no_shell_can_be_started(run_raw: RunRaw) -> None:
     assert report(outcome)["codes"] == ["ENOENT", "ENOENT", "ENOENT"]
 
 
-def test_memory_hog_is_killed_at_the_memory_limit(run_raw: RunRaw) -> None:
+def test_memory_hog_is_killed_at_the_memory_limit(run_raw: RunRaw, sandbox_runtime: Runtime) -> None:
     # Buffers live outside node's heap limit, so only the container's cgroup stops this one.
     outcome = run_raw("const keep = []; for (;;) keep.push(Buffer.alloc(8 << 20, 1));", memory_mb=64)
-    assert outcome.oom_killed
-    assert outcome.exit_code == 137
+    assert outcome.exit_code == 137, outcome
+    assert not outcome.timed_out
+    assert not outcome.killed
+    # The engine misses gVisor's OOM event about one kill in five (README, isolation runtimes).
+    if sandbox_runtime is RUNC:
+        assert outcome.oom_killed
 
 
 @pytest.mark.parametrize(
