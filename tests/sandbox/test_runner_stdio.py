@@ -30,7 +30,7 @@ def test_a_writer_faster_than_its_reader_waits_instead_of_filling_its_memory(
     command = ["docker", "run", "--rm", "-i", f"--name={name}", "--log-driver=none", "--network=none",
                f"--memory={MEMORY_MB}m", f"--memory-swap={MEMORY_MB}m", "--user=1001:1001", "--read-only",
                "--label=org.metaagent.test=stdio",
-               image_tag(), *runner_command(MEMORY_MB * 3 // 4)]  # fmt: skip
+               image_tag(), *runner_command(MEMORY_MB)]  # fmt: skip
     with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
         try:
             assert process.stdin is not None

@@ -38,6 +38,11 @@ _SANDBOX_UID_NUMBER = 1001
 SANDBOX_HOSTNAME = "sandbox"
 _MAX_WAITING_THREADS = 1024
 _CPU_PERIOD_US = 100_000
+# cgroup cpu.shares: Docker's default weight for running executions, and an eighth of it for a container
+# whose runner is still loading, so that starts (pool refills above all) yield the CPU to running
+# executions when both want it, and still get every cycle nobody else wants.
+RUNNING_CPU_SHARES = 1024
+STARTING_CPU_SHARES = 128
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -68,8 +73,10 @@ class ContainerSpec:
     memory_mb: int
     cpus: float
     labels: dict[str, str]
-    # CPUs while the trusted runner loads, before any user code exists; `limit_cpus` then sets `cpus`.
+    # CPUs and CPU weight (cgroup cpu.shares) while the trusted runner loads, before any user code exists;
+    # `limit_cpus` then sets `cpus` and a running execution's weight, RUNNING_CPU_SHARES.
     start_cpus: float | None = None
+    start_cpu_shares: int | None = None
     runtime: str = "runc"  # the engine's name of the isolation runtime (see metaagent.sandbox.runtime)
     pids_limit: int = 32
     nproc: int | None = None  # RLIMIT_NPROC inside the container: the process limit under runsc
@@ -198,6 +205,7 @@ class Engine:
                 memswap_limit=f"{spec.memory_mb}m",  # equal to the memory limit: no swap
                 cpu_period=_CPU_PERIOD_US,
                 cpu_quota=int((spec.start_cpus or spec.cpus) * _CPU_PERIOD_US),
+                cpu_shares=spec.start_cpu_shares or RUNNING_CPU_SHARES,
                 pids_limit=spec.pids_limit,
                 ulimits=ulimits,
                 ipc_mode="none",  # no /dev/shm: --read-only does not cover it
@@ -277,8 +285,13 @@ class Engine:
         return ContainerState(None if running else int(state.get("ExitCode", -1)), bool(state.get("OOMKilled")))
 
     async def limit_cpus(self, container_id: str, cpus: float) -> None:
+        """Holds a container to `cpus` with a running execution's CPU weight (one engine call)."""
         await self._run(
-            self.api.update_container, container_id, cpu_period=_CPU_PERIOD_US, cpu_quota=int(cpus * _CPU_PERIOD_US)
+            self.api.update_container,
+            container_id,
+            cpu_period=_CPU_PERIOD_US,
+            cpu_quota=int(cpus * _CPU_PERIOD_US),
+            cpu_shares=RUNNING_CPU_SHARES,
         )
 
     async def kill(self, container_id: str, signal: str) -> None:

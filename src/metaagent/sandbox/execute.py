@@ -30,6 +30,7 @@ START_TIMEOUT_S = 60.0
 # After SIGKILL the engine reports the exit within milliseconds; this only bounds a misbehaving engine.
 _EXIT_AFTER_KILL_S = 30.0
 _DRAIN_AFTER_EXIT_S = 5.0
+_SIGKILL_EXIT = 128 + 9
 
 
 @dataclass(frozen=True)
@@ -255,15 +256,21 @@ async def _run(
     except BaseExceptionGroup as group_error:  # an engine failure in a task: raise it, not its group
         raise sole_error(group_error) from None
     output.finish()  # the stream is drained: a listener gets the last piece before the outcome exists
-    state = await engine.state(container_id)
-    exit_code = status[0] if status else state.exit_code
+    exit_code = status[0] if status else None
+    oom_killed = False
+    # The OOM killer's kill is a SIGKILL, an exit of 137 (node and dumb-init are all the container runs):
+    # the engine is asked whether it was one only then, or when the wait did not say how it ended.
+    if exit_code in (None, _SIGKILL_EXIT):
+        state = await engine.state(container_id)
+        exit_code = state.exit_code if exit_code is None else exit_code
+        oom_killed = state.oom_killed
     return Outcome(
         container_id=container_id,
         exit_code=exit_code,
         stdout=output.stdout,
         stderr=output.stderr,
         timed_out=timed_out,
-        oom_killed=state.oom_killed,
+        oom_killed=oom_killed,
         killed=killed,
         duration_ms=duration_ms,
     )

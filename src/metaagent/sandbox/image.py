@@ -5,8 +5,9 @@ Nothing can be pulled on the machines this runs on, so the image is assembled he
 1. ``debootstrap`` a Debian minbase with ``nodejs``, ``dumb-init`` and ``ca-certificates`` into a cache
    folder (about 40 s, once; a completion marker makes later builds reuse it);
 2. copy out only what node needs (the binaries, the libraries ``ldd`` lists, ``/usr/share/nodejs``, the
-   CA bundle), add passwd/group entries for uid 1001 and the trusted runner, and check that no shell,
-   package manager or setuid/setgid file made it in;
+   CA bundle), add passwd/group entries for uid 1001 and the trusted runner, build the runner's V8 startup
+   snapshots with that node (runner/snapshot.js), and check that no shell, package manager or
+   setuid/setgid file made it in;
 3. hand that tree to the engine as a ``FROM scratch`` build context.
 
 The tag hashes the runner's files and the recipe, so changing the runner makes a new image, and such a
@@ -56,19 +57,40 @@ RUNNER_DIR = Path(__file__).parent / "runner"
 RUNNER_PATH = "/opt/metaagent/runner.js"  # where runner.js lands in the image
 
 
-def runner_command(heap_mb: int) -> list[str]:
-    """node running the trusted runner with a heap limit of `heap_mb` MiB.
+RUNNER_SNAPSHOT_ENTRY = "/opt/metaagent/snapshot.js"  # runner/snapshot.js: what the snapshots hold
+# Memory sizes whose runner starts from a V8 startup snapshot baked into the image (runner/snapshot.js).
+# V8 refuses a snapshot built under another heap limit, and the heap limit follows the memory size, so
+# there is one snapshot per size here (about 3 MB each); other sizes load the runner without one.
+SNAPSHOT_MEMORY_MB = (64, 128, 256, 512, 1024)
 
-    --experimental-vm-modules: the gate decides import() itself, through vm's importModuleDynamically
-    (runner/imports.js), which node honours only with this flag.
-    """
-    return ["/usr/bin/node", f"--max-old-space-size={heap_mb}", "--experimental-vm-modules", RUNNER_PATH]
+
+def heap_mb(memory_mb: int) -> int:
+    """Node's heap limit for a container of `memory_mb`: below the container's, so that a hog usually ends
+    with a JavaScript heap error the program's author can read, rather than a silent OOM kill."""
+    return max(32, memory_mb * 3 // 4)
+
+
+def _node_flags(memory_mb: int) -> list[str]:
+    """--experimental-vm-modules: the gate decides import() itself, through vm's importModuleDynamically
+    (runner/imports.js), which node honours only with this flag. A snapshot must be built with the flags
+    it is started with."""
+    return [f"--max-old-space-size={heap_mb(memory_mb)}", "--experimental-vm-modules"]
+
+
+def _snapshot_path(memory_mb: int) -> str:
+    return f"/opt/metaagent/runner-{memory_mb}m.blob"
+
+
+def runner_command(memory_mb: int) -> list[str]:
+    """node running the trusted runner in a container of `memory_mb` MiB, from a snapshot if there is one."""
+    snapshot = [f"--snapshot-blob={_snapshot_path(memory_mb)}"] if memory_mb in SNAPSHOT_MEMORY_MB else []
+    return ["/usr/bin/node", *_node_flags(memory_mb), *snapshot, RUNNER_PATH]
 
 
 # Bump when the assembly below changes in a way the runner files do not show (new files, modes...).
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 # Bump to force a fresh debootstrap (for example to pick up Debian security updates).
-BOOTSTRAP_RECIPE_VERSION = 1
+BOOTSTRAP_RECIPE_VERSION = 2
 BOOTSTRAP_SUITE = "bookworm"
 BOOTSTRAP_MIRROR = "http://deb.debian.org/debian"
 BOOTSTRAP_VARIANT = "minbase"
@@ -480,6 +502,27 @@ def _assemble_rootfs(bootstrap: Path, rootfs: Path, tools: dict[str, str]) -> No
     for empty, mode in (("tmp", 0o1777), ("app", 0o755)):
         (rootfs / empty).mkdir()
         (rootfs / empty).chmod(mode)
+    _build_snapshots(rootfs, tools)
+
+
+def _build_snapshots(rootfs: Path, tools: dict[str, str]) -> None:
+    # In a chroot of the finished root fs, so that each snapshot is built by the very node that starts from it.
+    for memory_mb in SNAPSHOT_MEMORY_MB:
+        blob = _snapshot_path(memory_mb)
+        _run(
+            [
+                tools["chroot"],
+                str(rootfs),
+                "/usr/bin/node",
+                *_node_flags(memory_mb),
+                f"--snapshot-blob={blob}",
+                "--build-snapshot",
+                RUNNER_SNAPSHOT_ENTRY,
+            ],
+            what=f"node --build-snapshot of the runner for {memory_mb} MiB",
+            timeout=300,
+        )
+        _inside(rootfs, PurePosixPath(blob)).chmod(0o644)
 
 
 def _check_rootfs(rootfs: Path) -> None:

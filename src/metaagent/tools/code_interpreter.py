@@ -19,7 +19,15 @@ from metaagent.egress.allowlist import AllowList
 from metaagent.errors import AtCapacity, MetaAgentError, PackageRefused, RequestRefused, Unavailable
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
 from metaagent.packages.store import NO_PACKAGES, PackageStore, PreparedPackages
-from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine, Mount
+from metaagent.sandbox.engine import (
+    EXECUTION_LABEL,
+    OWNER_PID_LABEL,
+    SERVICE_LABEL,
+    STARTING_CPU_SHARES,
+    ContainerSpec,
+    Engine,
+    Mount,
+)
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, payload
 from metaagent.sandbox.image import runner_command
 from metaagent.sandbox.network import ExecutionNetwork, SandboxNetwork
@@ -157,15 +165,15 @@ def container_spec(
     runtime: Runtime = RUNC,
 ) -> ContainerSpec:
     """The container of one execution. `command` replaces the runner only in the tests of the container layer."""
-    # Node's heap limit below the container's, so that a hog usually ends with a JavaScript heap
-    # error the program's author can read, rather than a silent OOM kill.
-    heap_mb = max(32, memory_mb * 3 // 4)
-    node = runner_command(heap_mb)
+    node = runner_command(memory_mb)
+    starts_apart = runtime.updates_cpus and not command
     return ContainerSpec(
         # The trusted runner loads (node and the gate) with the machine's CPUs, not the execution's
-        # share; the share applies before the code is handed over. A command of the tests' runs at once,
-        # and so does everything under a runtime that cannot change a running container's quota.
-        start_cpus=float(os.cpu_count() or 1) if runtime.updates_cpus and not command else None,
+        # share, and with a starting container's low CPU weight; the share and a running execution's
+        # weight apply before the code is handed over. A command of the tests' runs at once, and so does
+        # everything under a runtime that cannot change a running container's quota.
+        start_cpus=float(os.cpu_count() or 1) if starts_apart else None,
+        start_cpu_shares=STARTING_CPU_SHARES if starts_apart else None,
         runtime=runtime.name,
         pids_limit=runtime.pids_limit(),
         nproc=runtime.nproc(),
