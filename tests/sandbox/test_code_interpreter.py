@@ -126,6 +126,24 @@ def test_event_loop_starvation_cannot_dodge_the_timeout(run_js_both: RunJs) -> N
     assert result.timed_out
 
 
+def test_the_runner_starts_from_the_images_snapshot_for_its_memory_size_and_without_one_otherwise(
+    run_js_both: RunJs, cold_service: Service
+) -> None:
+    # Every other test of this file runs its programs, the hostile ones included, on the snapshot (256 MB).
+    # (The heap limit it was built with holds: test_allocation_heavy_program_fails_with_a_heap_error_or_oom.)
+    show = "console.log(JSON.stringify(process.execArgv))"
+    snapshotted = run_js_both(show)
+    assert snapshotted.exit_code == 0, snapshotted.stderr
+    flags = json.loads(snapshotted.stdout)
+    assert "--snapshot-blob=/opt/metaagent/runner-256m.blob" in flags
+    assert "--max-old-space-size=192" in flags
+    plain = code_runner(cold_service, "cold")(show, memory_mb=300)  # no snapshot of that size: from the files
+    assert plain.exit_code == 0, plain.stderr
+    flags = json.loads(plain.stdout)
+    assert not [flag for flag in flags if flag.startswith("--snapshot-blob")]
+    assert "--max-old-space-size=225" in flags
+
+
 @pytest.mark.security
 def test_allocation_heavy_program_fails_with_a_heap_error_or_oom(run_js_both: RunJs) -> None:
     result = run_js_both("const keep = []; for (;;) keep.push(new Array(1e6).fill(Math.random()))")
