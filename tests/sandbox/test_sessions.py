@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import http.client
 import json
 import time
 from collections.abc import Iterator
@@ -268,14 +269,24 @@ def test_an_idle_session_ends_with_410_idle(sessions: Sessions) -> None:
 def test_concurrent_calls_run_one_at_a_time_in_arrival_order(sessions: Sessions) -> None:
     sid = sessions.create()
     sessions.run(sid, "const order = []")
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = []
-        for i in range(4):
-            futures.append(
-                pool.submit(sessions.run, sid, f"await new Promise(r => setTimeout(r, 100)); order.push({i})")
-            )
-            time.sleep(0.05)
-        results = [f.result(timeout=60) for f in futures]
+    # Each request is written whole from this one thread before the next (http.client sends on `request`
+    # and reads on `getresponse`), so no client thread's scheduling can reorder the arrivals.
+    url = httpx2.URL(sessions.service.base_url)
+    connections = []
+    for i in range(4):
+        connection = http.client.HTTPConnection(url.host, url.port, timeout=60)
+        body = json.dumps({"code": f"await new Promise(r => setTimeout(r, 100)); order.push({i})", "timeout_s": 5})
+        connection.request(
+            "POST", f"/sessions/{sid}/execute", body, {**sessions.headers, "Content-Type": "application/json"}
+        )
+        connections.append(connection)
+        time.sleep(0.05)
+    results = []
+    for connection in connections:
+        response = connection.getresponse()
+        assert response.status == 200
+        results.append(json.loads(response.read()))
+        connection.close()
     assert sessions.run(sid, "order")["result"] == "[ 0, 1, 2, 3 ]"
     assert all(r["exit_code"] == 0 for r in results)
     assert results[-1]["queued_ms"] > 0
@@ -776,7 +787,11 @@ def test_code_cannot_reach_the_runners_stdout_raw_and_no_other_session_is_touche
     )
     assert forged["result"] == "'ERR_METAAGENT_BLOCKED_API'"
     assert forged["session_ended"] is False
-    assert "garbage that is not a frame" in forged["stderr"]
+    # Raw fd 2 and the reply's frame on fd 1 are two pipes the engine reads apart: the garbage is this
+    # call's stderr, or the next call's when the reply overtook it (output between calls goes to the next).
+    after = sessions.run(attacker, "'after'")
+    assert after["result"] == "'after'"
+    assert "garbage that is not a frame" in forged["stderr"] + after["stderr"]
     assert sessions.run(victim, "safe")["result"] == "'untouched'"
     assert sessions.service.get("/health").status_code == 200
 
