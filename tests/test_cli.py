@@ -78,6 +78,13 @@ def test_serve_refuses_a_malformed_allow_list_with_exit_2_naming_each_entry(tmp_
     assert "ok.example.com" not in result.stderr
 
 
+def test_serve_refuses_a_malformed_setting_with_exit_2_naming_its_variable_and_no_traceback(tmp_path: Path) -> None:
+    result = run(tmp_path, "serve", METAAGENT_HTTP_MAX_REDIRECTS="many")
+    assert result.returncode == 2
+    assert result.stderr.startswith("metaagent: bad configuration: METAAGENT_HTTP_MAX_REDIRECTS: ")
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.security
 def test_serve_with_an_empty_allow_list_warns_once_and_blocks_everything(tmp_path: Path) -> None:
     with serving(tmp_path, ALLOW_HTTP_HOSTS="[]") as (base, process):

@@ -4,18 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import AliasChoices
-
-from metaagent.settings import Settings
+from metaagent.settings import Settings, environment_name
 
 README = Path(__file__).parent.parent / "README.md"
-
-
-def environment_name(field_name: str) -> str:
-    alias = Settings.model_fields[field_name].validation_alias
-    if isinstance(alias, AliasChoices):
-        return str(alias.choices[0])
-    return f"METAAGENT_{field_name.upper()}"
 
 
 def test_every_setting_has_a_row_in_the_readme_configuration_table() -> None:

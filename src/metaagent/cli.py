@@ -71,6 +71,18 @@ def _fail(message: str, code: int = CONFIG_ERROR) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _settings() -> Settings:
+    """The settings from `.env`, `.env.local` and the environment; exit 2 naming each bad one."""
+    from pydantic import ValidationError
+
+    from metaagent.settings import describe_settings_error
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise _fail(f"metaagent: bad configuration: {describe_settings_error(exc)}") from None
+
+
 def _service_app() -> FastAPI:
     """The service app from the environment's settings, with logging set up; exit 2 on a bad configuration."""
     import anyio
@@ -79,7 +91,7 @@ def _service_app() -> FastAPI:
     from metaagent.app import create_app
     from metaagent.services import settle_runtime
 
-    settings = Settings()
+    settings = _settings()
     logs.configure(settings.log_format)
     try:
         service = create_app(settings)
@@ -125,7 +137,7 @@ def run(
     from metaagent.sandbox.runtime import RuntimeChoice
     from metaagent.tools.code_interpreter import CodeInterpreter, CodeInterpreterRequest
 
-    settings = Settings()
+    settings = _settings()
     stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
     try:
         runtime = RuntimeChoice.parse(settings.sandbox_runtime)
@@ -247,7 +259,7 @@ def sandbox_build() -> None:
 
     from metaagent.sandbox.image import ImageBuildError, build_image
 
-    settings = Settings()
+    settings = _settings()
     try:
         client = docker.from_env()
         image_id = build_image(client, cache_dir=settings.sandbox_cache_dir, progress=lambda line: print(line))
@@ -291,7 +303,7 @@ def allowlist_check() -> None:
     """Print the parsed allow-list and every warning or error (exit 2 when malformed)."""
     from metaagent.egress.allowlist import AllowList, empty_items_warning
 
-    settings = Settings()
+    settings = _settings()
     try:
         allowlist = AllowList.parse(settings.allow_http_hosts)
     except ConfigError as exc:
@@ -314,7 +326,7 @@ def allowlist_test(url: str) -> None:
     from metaagent.egress.allowlist import AllowList
     from metaagent.egress.url import parse_url
 
-    settings = Settings()
+    settings = _settings()
     try:
         allowlist = AllowList.parse(settings.allow_http_hosts)
     except ConfigError as exc:
@@ -338,7 +350,7 @@ def audit_verify(
     """Check the audit log's hash chain; name the first broken record (exit 1)."""
     from metaagent.audit import verify
 
-    target = path or Settings().audit_log
+    target = path or _settings().audit_log
     if not target.exists():
         raise _fail(f"error: no audit log at {target}", 1)
     result = verify(target)

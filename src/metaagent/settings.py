@@ -9,9 +9,9 @@ than a generic JSON error.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, get_args
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 KIB = 1024
@@ -150,3 +150,29 @@ class Settings(BaseSettings):
         if not self.pool_enabled:
             return 0
         return self.pool_size if self.pool_size is not None else self.effective_concurrency(cpu_count)
+
+
+def environment_name(field_name: str) -> str:
+    """The environment variable that sets a field (its first alias, or METAAGENT_ + its name)."""
+    field = Settings.model_fields.get(field_name)
+    alias = field.validation_alias if field is not None else None
+    if isinstance(alias, AliasChoices):
+        return str(alias.choices[0])
+    return f"METAAGENT_{field_name.upper()}"
+
+
+def _is_secret(field_name: str) -> bool:
+    field = Settings.model_fields.get(field_name)
+    annotation = field.annotation if field is not None else None
+    return annotation is SecretStr or SecretStr in get_args(annotation)
+
+
+def describe_settings_error(exc: ValidationError) -> str:
+    """Each bad setting by its environment variable, with what is wrong with it and the value given
+    (never a secret's)."""
+    problems = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else ""
+        given = "" if not field or _is_secret(field) else f" (got {error.get('input')!r})"
+        problems.append(f"{environment_name(field) if field else 'settings'}: {error['msg']}{given}")
+    return "; ".join(problems)
