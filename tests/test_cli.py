@@ -85,6 +85,29 @@ def test_serve_refuses_a_malformed_setting_with_exit_2_naming_its_variable_and_n
     assert "Traceback" not in result.stderr
 
 
+def test_serve_refuses_a_pool_floor_above_its_ceiling_with_exit_2_and_the_fix(tmp_path: Path) -> None:
+    result = run(tmp_path, "serve", METAAGENT_POOL_SIZE="2", METAAGENT_POOL_MIN="3")
+    assert result.returncode == 2
+    assert "refusing to start: METAAGENT_POOL_MIN (3) is above the warm pool's ceiling (2" in result.stderr
+    assert "lower METAAGENT_POOL_MIN or raise METAAGENT_POOL_SIZE" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("budget", "problem"),
+    [
+        ("0", "METAAGENT_POOL_MEMORY_MB: Input should be greater than or equal to 1 (got '0')"),
+        ("100", "METAAGENT_POOL_MEMORY_MB (100) holds 0 warm container(s) of 256 MB"),
+    ],
+)
+def test_serve_refuses_a_bad_pool_memory_budget_with_exit_2_naming_it(
+    tmp_path: Path, budget: str, problem: str
+) -> None:
+    result = run(tmp_path, "serve", METAAGENT_POOL_MEMORY_MB=budget)
+    assert result.returncode == 2
+    assert problem in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.security
 def test_serve_with_an_empty_allow_list_warns_once_and_blocks_everything(tmp_path: Path) -> None:
     with serving(tmp_path, ALLOW_HTTP_HOSTS="[]") as (base, process):

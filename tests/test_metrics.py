@@ -19,6 +19,7 @@ NAMES = {
     "metaagent_executions_running",
     "metaagent_executions_queued",
     "metaagent_pool_containers",
+    "metaagent_pool_target",
     "metaagent_egress_blocked",
     "metaagent_engine_errors",
     "metaagent_tunnel_operations",

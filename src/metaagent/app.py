@@ -27,8 +27,10 @@ from metaagent.packages.install import check_registry
 from metaagent.packages.policy import PackagePolicy
 from metaagent.sandbox.network import read_extra_ca_certs
 from metaagent.sandbox.runtime import RuntimeChoice
+from metaagent.sandbox.sizing import host_memory_mb, pool_limits
 from metaagent.services import Configuration, running_services
 from metaagent.settings import MIB, Settings
+from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB
 
 __all__ = ["TOOLS", "create_app"]
 
@@ -41,6 +43,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         package_policy=PackagePolicy.parse(settings.npm_allowed_packages),
         extra_ca_pem=read_extra_ca_certs(settings.sandbox_extra_ca_certs),
         runtime=RuntimeChoice.parse(settings.sandbox_runtime),
+        pool_limits=pool_limits(
+            settings, cpu_count=os.cpu_count() or 1, host_mb=host_memory_mb(), container_mb=DEFAULT_MEMORY_MB
+        ),
     )
     keys = KeyRing.from_settings(settings)  # read once; only their hashes are kept
     check_registry(settings.npm_registry)

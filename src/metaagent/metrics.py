@@ -7,6 +7,8 @@
     metaagent_executions_running                 executions holding a slot now
     metaagent_executions_queued                  executions waiting for a slot now
     metaagent_pool_containers                    warm containers ready in the pool
+    metaagent_pool_target                        containers the pool aims to hold now, lent ones included
+                                                 (it follows demand between its floor and ceiling)
     metaagent_pool_start_retries_total           warm containers whose runner died before any code was
                                                  handed over (a crash at start); the pool starts another
     metaagent_egress_blocked_total{tool}         outbound requests the egress guard refused
@@ -43,6 +45,9 @@ class _Pool(Protocol):
     @property
     def ready(self) -> int: ...
 
+    @property
+    def size(self) -> int: ...
+
 
 class _Admission(Protocol):
     @property
@@ -61,6 +66,9 @@ EXECUTION_DURATION = Histogram(
 RUNNING = Gauge("metaagent_executions_running", "Executions holding a slot now")
 QUEUED = Gauge("metaagent_executions_queued", "Executions waiting for a slot now")
 POOL_CONTAINERS = Gauge("metaagent_pool_containers", "Warm sandbox containers ready in the pool")
+POOL_TARGET = Gauge(
+    "metaagent_pool_target", "Containers the warm pool aims to hold now (lent ones included); follows demand"
+)
 POOL_START_RETRIES = Counter(
     "metaagent_pool_start_retries",
     "Warm containers whose runner died before any code was handed over; the pool started another",
@@ -103,8 +111,9 @@ def watch_admission(admission: _Admission) -> None:
 
 
 def watch_pool(pool: _Pool) -> None:
-    """The pool gauge reads this pool when scraped."""
+    """The pool gauges read this pool when scraped."""
     POOL_CONTAINERS.set_function(lambda: pool.ready)
+    POOL_TARGET.set_function(lambda: pool.size)
 
 
 def pool_start_retry() -> None:

@@ -28,6 +28,7 @@ from metaagent.sandbox.engine import Engine, EngineUnavailable
 from metaagent.sandbox.network import NetworkLimits, SandboxNetwork
 from metaagent.sandbox.provision import SandboxImage
 from metaagent.sandbox.runtime import RuntimeChoice, settle
+from metaagent.sandbox.sizing import PoolLimits
 from metaagent.sessions.service import SessionLimits, Sessions
 from metaagent.settings import MIB, Settings
 from metaagent.tools.code_interpreter import CodeInterpreter, probe_spec
@@ -52,6 +53,7 @@ class Configuration:
     package_policy: PackagePolicy
     extra_ca_pem: bytes
     runtime: RuntimeChoice
+    pool_limits: PoolLimits
 
 
 @dataclass
@@ -148,7 +150,7 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         cpus=settings.sandbox_cpus,
         grace_s=settings.kill_grace_s,
         runtime=config.runtime,
-        pool_size=settings.effective_pool_size(cpu_count),
+        pool_limits=config.pool_limits,
         packages=packages,
         network=SandboxNetwork(
             engine,

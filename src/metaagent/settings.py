@@ -74,9 +74,13 @@ class Settings(BaseSettings):
     max_concurrent_executions: int | None = Field(default=None, ge=1)
     execution_queue_size: int = Field(default=32, ge=0)
     kill_grace_s: float = Field(default=5.0, ge=0, le=60)
-    # Warm pool: containers of the default configuration, started ahead of demand (one per slot by default).
+    # Warm pool: containers of the default configuration, started ahead of demand. Its size follows demand
+    # between a floor (None: 1) and a ceiling (`pool_size`; None: one per slot), and its idle and starting
+    # containers hold at most `pool_memory_mb` (None: a quarter of the host's memory); see sandbox.sizing.
     pool_enabled: bool = True
     pool_size: int | None = Field(default=None, ge=0, le=64)
+    pool_min: int | None = Field(default=None, ge=0, le=64)
+    pool_memory_mb: int | None = Field(default=None, ge=1, le=1024 * 1024)
 
     # Sessions: how many may be open (None: 2 x the execution concurrency) and per key (None: no share
     # beyond that), calls waiting per session, the lifetime cap, each container's /workspace tmpfs (every
@@ -147,6 +151,7 @@ class Settings(BaseSettings):
         return 4 * (self.effective_concurrency(cpu_count) + self.execution_queue_size)
 
     def effective_pool_size(self, cpu_count: int) -> int:
+        """The warm pool's ceiling (0: no pool); `metaagent.sandbox.sizing.pool_limits` has the rest."""
         if not self.pool_enabled:
             return 0
         return self.pool_size if self.pool_size is not None else self.effective_concurrency(cpu_count)

@@ -1,4 +1,5 @@
-"""The warm pool's correctness (not its speed, which bench/ measures): single use, limits, queue, refill."""
+"""The warm pool's correctness (not its speed, which bench/ measures): single use, limits, queue, refill,
+a size that follows demand within a ceiling and a memory budget."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ import docker.errors
 import pytest
 from prometheus_client import REGISTRY
 
-from metaagent.sandbox.engine import ContainerSpec, Engine
-from metaagent.sandbox.pool import WarmPool
+from metaagent.sandbox.engine import OWNER_PID_LABEL, ContainerSpec, Engine
+from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
 from metaagent.sandbox.runtime import Runtime
+from metaagent.sandbox.sizing import PoolLimits
 from metaagent.tools.code_interpreter import container_spec
 from tests.sandbox.conftest import (
     Service,
     audit_record,
     code_runner,
+    labelled_containers,
     owned_containers,
     running_service,
     wait_for_warm_containers,
@@ -31,6 +34,7 @@ from tests.sandbox.conftest import (
 pytestmark = pytest.mark.docker
 
 SLOW_PRINT = "setTimeout(() => console.log('ok'), 1500)"
+ONE = PoolLimits(floor=1, ceiling=1, memory_budget_mb=128)  # a fixed pool of one 128 MB container
 
 
 def test_each_warm_container_serves_one_execution_and_is_gone_afterwards(
@@ -87,7 +91,7 @@ def test_the_queue_answers_429_when_full_and_serves_everything_it_accepted(tmp_p
 def test_the_pool_refills_after_a_burst_and_is_emptied_at_shutdown(
     tmp_path: Path, docker_client: docker.DockerClient
 ) -> None:
-    with running_service(tmp_path, METAAGENT_POOL_SIZE="2") as service:
+    with running_service(tmp_path, METAAGENT_POOL_SIZE="2", METAAGENT_POOL_MIN="2") as service:
         wait_for_warm_containers(service, 2)
         with ThreadPoolExecutor(4) as threads:
             body = {"code": "console.log('burst')", "timeout_s": 5}
@@ -96,8 +100,10 @@ def test_the_pool_refills_after_a_burst_and_is_emptied_at_shutdown(
         paths = [audit_record(service, r.json()["execution_id"])["container_path"] for r in responses]
         assert paths.count("warm") >= 2  # the two that were ready were used
         pool = wait_for_warm_containers(service, 2)
-        assert pool["size"] == 2
-        assert "metaagent_pool_containers 2.0" in service.get("/metrics").text
+        assert (pool["size"], pool["floor"], pool["ceiling"]) == (2, 2, 2)
+        metrics = service.get("/metrics").text
+        assert "metaagent_pool_containers 2.0" in metrics
+        assert "metaagent_pool_target 2.0" in metrics
         assert pool["served"] == paths.count("warm")
         assert len(owned_containers(docker_client, service.pid)) == 2  # just the refilled pool: nothing left over
 
@@ -111,7 +117,15 @@ def test_no_pool_when_it_is_off(tmp_path: Path, docker_client: docker.DockerClie
         result = code_runner(service, "cold")("console.log('cold')")
         pool = service.get("/health").json()["checks"]["warm_pool"]
         assert result.stdout == "cold\n"
-        assert pool == {"ok": True, "ready": 0, "size": 0, "served": 0}
+        assert pool == {
+            "ok": True,
+            "ready": 0,
+            "size": 0,
+            "served": 0,
+            "floor": 0,
+            "ceiling": 0,
+            "memory_budget_mb": 0,
+        }
         assert owned_containers(docker_client, service.pid) == []
 
 
@@ -133,7 +147,7 @@ def test_a_warm_container_whose_runner_dies_at_start_is_counted_and_another_star
         async def crashing(execution_id: str, tag: str) -> ContainerSpec:
             return container_spec(execution_id, tag, 128, 0.5, command=crash, runtime=sandbox_runtime)
 
-        pool = WarmPool(engine, image, size=1, memory_mb=128, make_spec=crashing)
+        pool = WarmPool(engine, image, limits=ONE, memory_mb=128, make_spec=crashing)
         before = _start_retries()
         try:
             async with anyio.create_task_group() as group:
@@ -167,7 +181,7 @@ def test_a_warm_runner_that_dies_while_it_waits_is_never_lent_and_its_end_is_log
         async def dying(execution_id: str, tag: str) -> ContainerSpec:
             return container_spec(execution_id, tag, 128, 0.5, command=dies, runtime=sandbox_runtime)
 
-        pool = WarmPool(engine, image, size=1, memory_mb=128, make_spec=dying)
+        pool = WarmPool(engine, image, limits=ONE, memory_mb=128, make_spec=dying)
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(pool.run)
@@ -192,13 +206,15 @@ def test_a_warm_runner_that_dies_while_it_waits_is_never_lent_and_its_end_is_log
     assert "bye" in line
 
 
-def _runner_pool(engine: Engine, tmp_path: Path, runtime: Runtime) -> WarmPool:
+def _runner_pool(
+    engine: Engine, tmp_path: Path, runtime: Runtime, limits: PoolLimits = ONE, **sizing: float
+) -> WarmPool:
     image = SandboxImage(engine, tag=None, cache_dir=tmp_path)
 
     async def spec(execution_id: str, tag: str) -> ContainerSpec:
         return container_spec(execution_id, tag, 128, 0.5, runtime=runtime)
 
-    return WarmPool(engine, image, size=1, memory_mb=128, make_spec=spec)
+    return WarmPool(engine, image, limits=limits, memory_mb=128, make_spec=spec, **sizing)
 
 
 @pytest.mark.usefixtures("sandbox_service")  # only so that the image is there
@@ -268,4 +284,194 @@ def test_a_pool_that_closes_sends_its_waiting_executions_to_the_cold_path(
 
     went_cold, served = anyio.run(go)
     assert (went_cold, served) == (True, 0)
+    assert owned_containers(docker_client, os.getpid()) == []
+
+
+async def _release(engine: Engine, pool: WarmPool, warm: Warm) -> None:
+    """What an execution does with a taken container once it ends: removes it, then tells the pool."""
+    warm.prepared.sock.close()
+    await engine.remove(warm.prepared.container_id)
+    pool.finished()
+
+
+async def _settled(pool: WarmPool) -> None:
+    """Until the pool holds its target, with nothing starting or being removed (the caller bounds the wait)."""
+    while pool._starting or pool._removing or pool.ready + pool._lent != pool.size:  # noqa: ASYNC110 - no event for this
+        await anyio.sleep(0.02)
+
+
+async def _hold(pool: WarmPool, tag: str, held: list[Warm], count: int, taken: set[str] | None = None) -> None:
+    """Takes containers until `held` has `count`, asking again after a miss (a cold start, in the service)."""
+    while len(held) < count:
+        warm = await pool.take_or_wait(tag)
+        if warm is None:
+            await anyio.sleep(0.05)
+            continue
+        if taken is not None:
+            taken.add(warm.prepared.container_id)
+        held.append(warm)
+
+
+@pytest.mark.usefixtures("sandbox_service")  # only so that the image is there
+def test_concurrent_takers_are_never_handed_the_same_container_twice(
+    sandbox_runtime: Runtime, tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    wanted = 16
+
+    async def go() -> tuple[list[str], list[str], int]:
+        engine = Engine()
+        pool = _runner_pool(engine, tmp_path, sandbox_runtime, PoolLimits(floor=2, ceiling=4, memory_budget_mb=512))
+        handed: list[str] = []
+        executions: list[str] = []
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(pool.run)
+                tag = await pool.image.require()
+
+                async def taker(waits: bool) -> None:
+                    while len(handed) < wanted:
+                        warm = await pool.take_or_wait(tag) if waits else pool.take(tag)
+                        if warm is None:
+                            await anyio.sleep(0.02)
+                            continue
+                        handed.append(warm.prepared.container_id)
+                        executions.append(warm.execution_id)
+                        await _release(engine, pool, warm)
+
+                with anyio.fail_after(600):  # a bound: 16 starts or more on a loaded machine
+                    async with anyio.create_task_group() as takers:
+                        for n in range(12):
+                            takers.start_soon(taker, n % 2 == 0)
+                pool.close()
+            return handed, executions, pool.served
+        finally:
+            engine.close()
+
+    handed, executions, served = anyio.run(go)
+    assert len(handed) >= wanted
+    assert len(set(handed)) == len(handed)  # each container handed out once
+    assert len(set(executions)) == len(executions)
+    assert served == len(handed)
+    assert owned_containers(docker_client, os.getpid()) == []
+
+
+@pytest.mark.usefixtures("sandbox_service")
+def test_the_pool_never_holds_more_than_its_ceiling_nor_idle_containers_past_its_memory_budget(
+    sandbox_runtime: Runtime, tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    """A ceiling of 4 and a budget that holds 2 idle 128 MB containers: the engine's own list of this
+    process's containers, sampled through a burst, never shows more than 4 in all nor more than 2 that no
+    taker was handed. At rest both bounds bind: 2 idle where the ceiling allows 4, and 4 lent where the
+    budget alone would let 2 more start."""
+    ceiling, idle_max = 4, 2
+    limits = PoolLimits(floor=1, ceiling=ceiling, memory_budget_mb=idle_max * 128 + 64)
+    label = f"{OWNER_PID_LABEL}={os.getpid()}"
+    samples: list[tuple[int, int]] = []  # (all the pool's containers, those no taker was handed)
+
+    async def go() -> tuple[int, int, int, int, bool]:
+        engine = Engine()
+        pool = _runner_pool(engine, tmp_path, sandbox_runtime, limits, decay_s=3600)  # no decay in this test
+        taken: set[str] = set()
+        stop = anyio.Event()
+
+        async def sample() -> None:
+            while not stop.is_set():
+                listed = set(await anyio.to_thread.run_sync(labelled_containers, docker_client, label))
+                samples.append((len(listed), len(listed - taken)))  # `taken` read after the listing
+                await anyio.sleep(0.02)
+
+        async def burst_taker() -> None:
+            for _ in range(4):
+                held: list[Warm] = []
+                await _hold(pool, tag, held, 1, taken)
+                await anyio.sleep(0.1)  # an execution runs; others take meanwhile
+                await _release(engine, pool, held[0])
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(pool.run)
+                group.start_soon(sample)
+                tag = await pool.image.require()
+                with anyio.fail_after(600):  # a bound: a few dozen starts on a loaded machine
+                    async with anyio.create_task_group() as takers:
+                        for _ in range(6):
+                            takers.start_soon(burst_taker)
+                    await _settled(pool)
+                    at_rest = len(await anyio.to_thread.run_sync(labelled_containers, docker_client, label))
+                    idle, size = pool.ready, pool.size
+                    held: list[Warm] = []
+                    await _hold(pool, tag, held, ceiling, taken)
+                    await _settled(pool)
+                    all_lent = len(await anyio.to_thread.run_sync(labelled_containers, docker_client, label))
+                    one_more = pool.take(tag) is None
+                    for warm in held:
+                        await _release(engine, pool, warm)
+                stop.set()
+                pool.close()
+            return at_rest, idle, size, all_lent, one_more
+        finally:
+            engine.close()
+
+    at_rest, idle, size, all_lent, one_more = anyio.run(go)
+    assert (at_rest, idle, size) == (idle_max, idle_max, idle_max)  # the budget binds, below the ceiling
+    assert (all_lent, one_more) == (ceiling, True)  # the ceiling binds, lent ones included
+    assert samples
+    assert max(total for total, _ in samples) <= ceiling
+    assert max(untaken for _, untaken in samples) <= idle_max
+    assert owned_containers(docker_client, os.getpid()) == []
+
+
+class _Clock:
+    """The pool's sizing clock, moved by the test: nothing decays until the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.usefixtures("sandbox_service")
+def test_the_pool_grows_with_demand_and_shrinks_back_to_its_floor_one_step_at_a_time_when_demand_stops(
+    sandbox_runtime: Runtime, tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    limits = PoolLimits(floor=1, ceiling=3, memory_budget_mb=3 * 128)
+    label = f"{OWNER_PID_LABEL}={os.getpid()}"
+    clock = _Clock()
+
+    async def go() -> tuple[int, int, list[tuple[int, int, int]]]:
+        engine = Engine()
+        # The window (0.5) ends within one decay step (1.0) of the clock; the pool looks again each second.
+        pool = _runner_pool(engine, tmp_path, sandbox_runtime, limits, window_s=0.5, decay_s=1.0, clock=clock)
+
+        async def level() -> tuple[int, int, int]:
+            await _settled(pool)
+            containers = await anyio.to_thread.run_sync(labelled_containers, docker_client, label)
+            return pool.size, pool.ready, len(containers)
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(pool.run)
+                tag = await pool.image.require()
+                with anyio.fail_after(600):  # a bound: starts on a loaded machine
+                    await _settled(pool)
+                    before = pool.size
+                    held: list[Warm] = []
+                    await _hold(pool, tag, held, 3)  # demand: three executions at once
+                    grown = pool.size
+                    for warm in held:
+                        await _release(engine, pool, warm)
+                    levels = [await level()]  # the level holds while the clock stands: refilled to 3
+                    while levels[-1][0] > limits.floor:
+                        clock.now += 1.0  # one decay step with no demand
+                        levels.append(await level())
+                pool.close()
+            return before, grown, levels
+        finally:
+            engine.close()
+
+    before, grown, levels = anyio.run(go)
+    assert (before, grown) == (1, 3)
+    # (target, ready, the engine's count): each step removes an idle container, down to the floor.
+    assert levels == [(3, 3, 3), (2, 2, 2), (1, 1, 1)]
     assert owned_containers(docker_client, os.getpid()) == []

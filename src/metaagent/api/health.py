@@ -41,9 +41,12 @@ async def health(request: Request) -> dict[str, Any]:
         },
         "warm_pool": {
             "ok": True,
-            "ready": svc.interpreter.pool.ready,
-            "size": svc.interpreter.pool.size,
-            "served": svc.interpreter.pool.served,
+            "ready": (pool := svc.interpreter.pool).ready,
+            "size": pool.size,  # the target now: it follows demand between floor and ceiling
+            "served": pool.served,
+            "floor": pool.limits.floor,
+            "ceiling": pool.limits.ceiling,
+            "memory_budget_mb": pool.limits.memory_budget_mb,
         },
     }
     status = "ok" if all(c["ok"] for c in checks.values()) else "degraded"

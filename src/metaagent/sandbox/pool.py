@@ -7,6 +7,11 @@ takes one, hands it the code and removes it afterwards, exactly as on the cold p
 into the pool. So the pool changes when a container starts, never what runs in it or how often it is
 used. An execution that finds the pool empty while a start is in flight waits for that container
 (`take_or_wait`): it is nearer to ready than any cold start begun then.
+
+How many containers it holds follows demand, within a floor, a ceiling and a memory budget: see
+`metaagent.sandbox.sizing`. Every take, wait, miss and end is told to the sizer; the loop starts what the
+target is missing, removes idle containers above it when it decays, and never holds more idle, starting
+or being removed than the budget allows.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from metaagent.executions import new_execution_id
 from metaagent.sandbox.engine import ContainerSpec, Engine
 from metaagent.sandbox.execute import Prepared, prepare, wait_ready
 from metaagent.sandbox.provision import SandboxImage
+from metaagent.sandbox.sizing import DECAY_STEP_S, DEMAND_WINDOW_S, PoolLimits, PoolSizer
 
 log = logging.getLogger("metaagent.pool")
 
@@ -61,24 +67,31 @@ class _Taker:
 
 
 class WarmPool:
-    """Keeps `size` warm containers of `make_spec`'s configuration while the service runs."""
+    """Keeps warm containers of `make_spec`'s configuration while the service runs, as many as demand
+    asks for within `limits` (`window_s`, `decay_s` and `clock`: see `PoolSizer`)."""
 
     def __init__(
         self,
         engine: Engine,
         image: SandboxImage,
         *,
-        size: int,
+        limits: PoolLimits,
         memory_mb: int,
         make_spec: Callable[[str, str], Awaitable[ContainerSpec]],
+        window_s: float = DEMAND_WINDOW_S,
+        decay_s: float = DECAY_STEP_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
         self.image = image
-        self.size = size
+        self.limits = limits
         self.memory_mb = memory_mb  # the one configuration served warm; other requests take the cold path
+        idle_max = limits.memory_budget_mb // memory_mb
+        self._sizer = PoolSizer(limits.floor, limits.ceiling, idle_max, window_s=window_s, decay_s=decay_s, clock=clock)
         self._make_spec = make_spec
         self._ready: deque[Warm] = deque()
         self._starting = 0
+        self._removing = 0  # discarded containers whose removal is under way: they still hold memory
         self._lent = 0  # taken by executions still running: replaced once they end (see `finished`)
         self._changed = anyio.Event()
         self._failures = 0
@@ -97,8 +110,30 @@ class WarmPool:
     def ready(self) -> int:
         return len(self._ready)
 
+    @property
+    def size(self) -> int:
+        """The containers the pool aims to hold now, lent ones included: demand's target, within what the
+        memory budget lets it hold besides the lent ones."""
+        target = self._sizer.target(self._lent + len(self._takers))
+        return min(target, self._lent + self._sizer.idle_max)
+
+    def _held(self) -> int:
+        """The containers the pool itself holds, which the memory budget bounds (lent ones are not)."""
+        return self.ready + self._starting + self._removing + len(self._unremoved)
+
     def take(self, image_tag: str) -> Warm | None:
         """A warm container for one execution, or None (the caller takes the cold path)."""
+        warm = self._take_ready(image_tag)
+        if warm is None:
+            self._missed()
+        return warm
+
+    def _missed(self) -> None:
+        """An execution that asked for a container goes cold: demand the pool may grow for."""
+        self._sizer.left()
+        self._wake()
+
+    def _take_ready(self, image_tag: str) -> Warm | None:
         while self._ready and not self.closed:
             warm = self._ready.popleft()
             waiting = _still_waiting(warm)
@@ -119,11 +154,15 @@ class WarmPool:
         compete with it for the CPU), so waiting for it is the faster path; if it fails, or takes longer
         than `_TAKE_WAIT_S`, the caller takes the cold path after all.
         """
-        warm = self.take(image_tag)
-        if warm is not None or self.closed or len(self._takers) >= self._starting:
+        warm = self._take_ready(image_tag)
+        if warm is not None:
             return warm
+        if self.closed or len(self._takers) >= self._starting:
+            self._missed()
+            return None
         taker = _Taker(image_tag)
         self._takers.append(taker)
+        self._wake()  # one more waiting: demand rises at once
         try:
             with anyio.move_on_after(_TAKE_WAIT_S):
                 await taker.handed.wait()
@@ -132,9 +171,12 @@ class WarmPool:
                 self._takers.remove(taker)
             elif taker.warm is not None:
                 self._give_back(taker.warm)
+            self._sizer.left()
             raise
         if not taker.handed.is_set():  # waited long enough: the cold path
             self._takers.remove(taker)
+        if taker.warm is None:
+            self._missed()
         return taker.warm
 
     def _hand_over(self, warm: Warm) -> bool:
@@ -171,6 +213,7 @@ class WarmPool:
         """The execution on a taken container ended: start its replacement now, not while it ran, when
         the start's CPU would have slowed the very execution the pool exists to speed up."""
         self._lent -= 1
+        self._sizer.left()
         self._wake()
 
     async def run(self) -> None:
@@ -183,14 +226,19 @@ class WarmPool:
                     if self._unremoved and self._retry_at <= time.monotonic():
                         retry, self._unremoved = self._unremoved, set()
                         for container_id in retry:
-                            group.start_soon(self._remove_container, container_id)
+                            self._removing += 1
+                            group.start_soon(self._retire_container, container_id)
+                    self._trim()
+                    missing = self._missing()
                     wait_s = self._retry_at - time.monotonic()
-                    if wait_s <= 0 and self._missing() > 0 and self._starting < _PARALLEL_STARTS:
+                    if wait_s <= 0 and missing > 0 and self._starting < _PARALLEL_STARTS:
                         self._starting += 1
                         group.start_soon(self._add_one)
                         continue
+                    # Asleep until something changes, the backoff ends or the target may step down.
+                    waits = [s for s in (wait_s if wait_s > 0 else None, self._sizer.next_step_in()) if s is not None]
                     self._changed = anyio.Event()
-                    with anyio.move_on_after(max(wait_s, 0) or None):
+                    with anyio.move_on_after(min(waits) if waits else None):
                         await self._changed.wait()
                 # Starts in flight finish (and see `closed`): one cut off halfway would leave its container.
         finally:
@@ -262,11 +310,36 @@ class WarmPool:
         return f"exit {state.exit_code}{', OOM-killed' if state.oom_killed else ''}"
 
     def _missing(self) -> int:
-        return self.size - self.ready - self._starting - self._lent
+        """Starts the target and the memory budget want now (containers being removed still count)."""
+        held = self._held()
+        return min(self.size - held - self._lent, self._sizer.idle_max - held)
+
+    def _trim(self) -> None:
+        """Removes the idle containers above a target that decayed (the newest: takes go oldest first).
+        Starts in flight finish, and are removed once ready unless a taker wants them first."""
+        surplus = self.ready + self._starting + self._lent - self.size
+        for _ in range(min(surplus, self.ready)):
+            self._discard(self._ready.pop())
 
     def _discard(self, warm: Warm, *, died: bool = False) -> None:
         if self._group is not None:
-            self._group.start_soon(self._remove_dead if died else self._remove, warm)
+            self._removing += 1
+            self._group.start_soon(self._retire, warm, died)
+
+    async def _retire(self, warm: Warm, died: bool) -> None:
+        """Removes a discarded container, counted as the pool's until it is gone."""
+        try:
+            await (self._remove_dead if died else self._remove)(warm)
+        finally:
+            self._removing -= 1
+            self._wake()
+
+    async def _retire_container(self, container_id: str) -> None:
+        try:
+            await self._remove_container(container_id)
+        finally:
+            self._removing -= 1
+            self._wake()
 
     async def _remove_dead(self, warm: Warm) -> None:
         """A runner that ended while it waited: said in the log with how it ended, then removed (whatever

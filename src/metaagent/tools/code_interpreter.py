@@ -35,6 +35,7 @@ from metaagent.sandbox.output import OutputSink
 from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
 from metaagent.sandbox.runtime import RUNC, ProbeSpec, Runtime, RuntimeChoice
+from metaagent.sandbox.sizing import PoolLimits
 from metaagent.validation import ToolRequest
 
 log = logging.getLogger("metaagent.code_interpreter")
@@ -208,7 +209,7 @@ class CodeInterpreter:
         cpus: float,
         grace_s: float,
         runtime: RuntimeChoice,
-        pool_size: int = 0,
+        pool_limits: PoolLimits | None = None,
         packages: PackageStore | None = None,
         network: SandboxNetwork | None = None,
         workspace_mb: int = 100,
@@ -225,7 +226,7 @@ class CodeInterpreter:
         self.pool = WarmPool(
             engine,
             image,
-            size=pool_size,
+            limits=pool_limits or PoolLimits.off(),
             memory_mb=DEFAULT_MEMORY_MB,
             make_spec=self._pool_spec,
         )

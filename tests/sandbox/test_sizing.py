@@ -1,0 +1,193 @@
+"""The warm pool's size: pure logic on a clock the tests move, and its limits from the settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from metaagent.errors import ConfigError
+from metaagent.sandbox.sizing import PoolLimits, PoolSizer, default_memory_budget_mb, host_memory_mb, pool_limits
+from metaagent.settings import Settings, describe_settings_error
+
+WINDOW_S = 2.0
+DECAY_S = 30.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sizer(clock: Clock, floor: int = 1, ceiling: int = 8, idle_max: int = 8) -> PoolSizer:
+    return PoolSizer(floor, ceiling, idle_max, window_s=WINDOW_S, decay_s=DECAY_S, clock=clock)
+
+
+def test_the_target_starts_at_the_floor_and_rises_at_once_to_the_demand() -> None:
+    pool = sizer(Clock(), floor=2)
+    assert pool.target(0) == 2
+    assert pool.target(5) == 5  # five lent or waiting now: no delay
+
+
+def test_the_target_never_rises_above_the_ceiling() -> None:
+    pool = sizer(Clock(), ceiling=4)
+    assert pool.target(16) == 4
+
+
+def test_executions_that_ended_within_the_window_count_as_demand_and_stop_counting_after_it() -> None:
+    clock = Clock()
+    pool = sizer(clock, floor=1, ceiling=8)
+    for _ in range(3):  # an agent loop: three back-to-back calls, each finished before the next
+        pool.left()
+    assert pool.target(1) == 4  # the one running now and the three just before it
+    clock.now += WINDOW_S
+    assert pool.target(1) == 4  # out of the window, but the target holds until it decays
+    clock.now += DECAY_S
+    assert pool.target(1) == 3
+
+
+def test_the_target_decays_one_step_per_decay_interval_down_to_the_floor_and_no_lower() -> None:
+    clock = Clock()
+    pool = sizer(clock, floor=2)
+    pool.target(6)
+    seen = []
+    for _ in range(6):
+        clock.now += DECAY_S
+        seen.append(pool.target(0))
+    assert seen == [5, 4, 3, 2, 2, 2]
+
+
+def test_a_long_quiet_spell_takes_as_many_steps_as_intervals_passed() -> None:
+    clock = Clock()
+    pool = sizer(clock, floor=1)
+    pool.target(8)
+    clock.now += 3 * DECAY_S + 1
+    assert pool.target(0) == 5
+    clock.now += 100 * DECAY_S
+    assert pool.target(0) == 1
+
+
+def test_the_target_never_decays_below_the_demand_still_there() -> None:
+    clock = Clock()
+    pool = sizer(clock, floor=1)
+    pool.target(6)
+    clock.now += 10 * DECAY_S
+    assert pool.target(4) == 4  # four still lent: the target stops there
+
+
+def test_demand_that_reaches_the_target_again_restarts_the_decay() -> None:
+    clock = Clock()
+    pool = sizer(clock, floor=1)
+    pool.target(4)
+    clock.now += DECAY_S - 1
+    assert pool.target(4) == 4  # a burst of the same size just before the step
+    clock.now += DECAY_S - 1
+    assert pool.target(0) == 4  # a whole interval has not passed since that burst
+    clock.now += 1
+    assert pool.target(0) == 3
+
+
+def test_the_next_step_is_due_one_interval_after_the_last_demand_and_never_at_the_floor() -> None:
+    clock = Clock()
+    pool = sizer(clock, floor=1)
+    assert pool.next_step_in() is None
+    pool.target(3)
+    clock.now += 10
+    assert pool.next_step_in() == DECAY_S - 10
+    clock.now += 100 * DECAY_S
+    pool.target(0)
+    assert pool.next_step_in() is None
+
+
+def test_a_sizer_refuses_a_floor_above_its_ceiling() -> None:
+    with pytest.raises(ValueError, match="floor 3, ceiling 2"):
+        PoolSizer(3, 2, 4)
+
+
+def test_the_default_limits_are_a_floor_of_one_the_concurrency_limit_and_a_quarter_of_the_memory() -> None:
+    limits = pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256)
+    assert limits == PoolLimits(floor=1, ceiling=4, memory_budget_mb=2048)
+
+
+def test_explicit_pool_settings_are_the_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("METAAGENT_POOL_SIZE", "6")
+    monkeypatch.setenv("METAAGENT_POOL_MIN", "2")
+    monkeypatch.setenv("METAAGENT_POOL_MEMORY_MB", "1024")
+    limits = pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256)
+    assert limits == PoolLimits(floor=2, ceiling=6, memory_budget_mb=1024)
+
+
+@pytest.mark.parametrize("env", [{"METAAGENT_POOL_ENABLED": "false"}, {"METAAGENT_POOL_SIZE": "0"}])
+def test_a_pool_that_is_off_has_no_floor_and_no_budget_to_check(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    for name, value in {**env, "METAAGENT_POOL_MIN": "3", "METAAGENT_POOL_MEMORY_MB": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256) == PoolLimits.off()
+
+
+def test_the_default_budget_is_a_quarter_of_the_host_clamped_to_one_container_and_16_gib() -> None:
+    assert default_memory_budget_mb(8192) == 2048
+    assert default_memory_budget_mb(512) == 256
+    assert default_memory_budget_mb(1024 * 1024) == 16 * 1024
+    assert default_memory_budget_mb(None) == 1024
+
+
+def test_the_host_memory_is_read_from_meminfo(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684084 kB\nMemFree:        21006612 kB\n")
+    assert host_memory_mb(meminfo) == 24105
+    assert host_memory_mb(tmp_path / "absent") is None
+
+
+def test_a_floor_above_the_pool_size_is_refused_with_both_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("METAAGENT_POOL_SIZE", "2")
+    monkeypatch.setenv("METAAGENT_POOL_MIN", "3")
+    with pytest.raises(ConfigError) as raised:
+        pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256)
+    assert str(raised.value) == (
+        "METAAGENT_POOL_MIN (3) is above the warm pool's ceiling (2, METAAGENT_POOL_SIZE): "
+        "lower METAAGENT_POOL_MIN or raise METAAGENT_POOL_SIZE"
+    )
+
+
+def test_a_floor_above_the_default_ceiling_is_refused_and_names_the_concurrency_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("METAAGENT_POOL_MIN", "5")
+    with pytest.raises(ConfigError, match=r"ceiling \(4, the concurrency limit: METAAGENT_POOL_SIZE unset\)"):
+        pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256)
+
+
+@pytest.mark.parametrize(("budget", "floor", "fits"), [("100", None, 0), ("600", "3", 2)])
+def test_a_budget_that_cannot_hold_the_floor_is_refused_with_the_least_that_would(
+    monkeypatch: pytest.MonkeyPatch, budget: str, floor: str | None, fits: int
+) -> None:
+    monkeypatch.setenv("METAAGENT_POOL_MEMORY_MB", budget)
+    if floor is not None:
+        monkeypatch.setenv("METAAGENT_POOL_MIN", floor)
+    with pytest.raises(ConfigError) as raised:
+        pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256)
+    least = max(int(floor or 1), 1) * 256
+    assert f"METAAGENT_POOL_MEMORY_MB ({budget}) holds {fits} warm container(s) of 256 MB" in str(raised.value)
+    assert f"set it to at least {least}" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [("0", "greater than or equal to 1"), ("lots", "valid integer"), ("-256", "greater than or equal to 1")],
+)
+def test_a_budget_that_is_not_a_positive_number_is_a_settings_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str, problem: str
+) -> None:
+    monkeypatch.setenv("METAAGENT_POOL_MEMORY_MB", value)
+    with pytest.raises(ValidationError) as raised:
+        Settings()
+    message = describe_settings_error(raised.value)
+    assert message.startswith("METAAGENT_POOL_MEMORY_MB: ")
+    assert problem in message
+    assert repr(value) in message
