@@ -18,6 +18,10 @@ KIB = 1024
 MIB = 1024 * KIB
 
 
+POOL_SIZE_MAX = 64
+POOL_GROWTH = 4  # the default ceiling of the warm pool, per execution slot
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="METAAGENT_",
@@ -75,11 +79,12 @@ class Settings(BaseSettings):
     execution_queue_size: int = Field(default=32, ge=0)
     kill_grace_s: float = Field(default=5.0, ge=0, le=60)
     # Warm pool: containers of the default configuration, started ahead of demand. Its size follows demand
-    # between a floor (None: 1) and a ceiling (`pool_size`; None: one per slot), and its idle and starting
+    # between a floor (None: one per slot, as many as can run at once) and a ceiling (`pool_size`; None:
+    # POOL_GROWTH per slot, for what a burst or an agent loop takes beyond them), and its idle and starting
     # containers hold at most `pool_memory_mb` (None: a quarter of the host's memory); see sandbox.sizing.
     pool_enabled: bool = True
-    pool_size: int | None = Field(default=None, ge=0, le=64)
-    pool_min: int | None = Field(default=None, ge=0, le=64)
+    pool_size: int | None = Field(default=None, ge=0, le=POOL_SIZE_MAX)
+    pool_min: int | None = Field(default=None, ge=0, le=POOL_SIZE_MAX)
     pool_memory_mb: int | None = Field(default=None, ge=1, le=1024 * 1024)
 
     # Sessions: how many may be open (None: 2 x the execution concurrency) and per key (None: no share
@@ -154,7 +159,9 @@ class Settings(BaseSettings):
         """The warm pool's ceiling (0: no pool); `metaagent.sandbox.sizing.pool_limits` has the rest."""
         if not self.pool_enabled:
             return 0
-        return self.pool_size if self.pool_size is not None else self.effective_concurrency(cpu_count)
+        if self.pool_size is not None:
+            return self.pool_size
+        return min(POOL_SIZE_MAX, POOL_GROWTH * self.effective_concurrency(cpu_count))
 
 
 def environment_name(field_name: str) -> str:

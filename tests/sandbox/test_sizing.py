@@ -108,9 +108,15 @@ def test_a_sizer_refuses_a_floor_above_its_ceiling() -> None:
         PoolSizer(3, 2, 4)
 
 
-def test_the_default_limits_are_a_floor_of_one_the_concurrency_limit_and_a_quarter_of_the_memory() -> None:
+def test_the_default_limits_are_the_concurrency_limit_four_times_it_and_a_quarter_of_the_memory() -> None:
+    concurrency = Settings().effective_concurrency(2)
     limits = pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256)
-    assert limits == PoolLimits(floor=1, ceiling=4, memory_budget_mb=2048)
+    assert limits == PoolLimits(floor=concurrency, ceiling=4 * concurrency, memory_budget_mb=2048)
+
+
+def test_the_default_floor_is_at_most_an_explicit_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("METAAGENT_POOL_SIZE", "1")
+    assert pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256).floor == 1
 
 
 def test_explicit_pool_settings_are_the_limits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,8 +164,9 @@ def test_a_floor_above_the_pool_size_is_refused_with_both_names(monkeypatch: pyt
 def test_a_floor_above_the_default_ceiling_is_refused_and_names_the_concurrency_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("METAAGENT_POOL_MIN", "5")
-    with pytest.raises(ConfigError, match=r"ceiling \(4, the concurrency limit: METAAGENT_POOL_SIZE unset\)"):
+    ceiling = 4 * Settings().effective_concurrency(2)
+    monkeypatch.setenv("METAAGENT_POOL_MIN", str(ceiling + 1))
+    with pytest.raises(ConfigError, match=rf"ceiling \({ceiling}, 4 per execution slot: METAAGENT_POOL_SIZE unset\)"):
         pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256)
 
 
@@ -172,7 +179,7 @@ def test_a_budget_that_cannot_hold_the_floor_is_refused_with_the_least_that_woul
         monkeypatch.setenv("METAAGENT_POOL_MIN", floor)
     with pytest.raises(ConfigError) as raised:
         pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256)
-    least = max(int(floor or 1), 1) * 256
+    least = int(floor or Settings().effective_concurrency(2)) * 256
     assert f"METAAGENT_POOL_MEMORY_MB ({budget}) holds {fits} warm container(s) of 256 MB" in str(raised.value)
     assert f"set it to at least {least}" in str(raised.value)
 

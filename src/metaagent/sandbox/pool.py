@@ -210,8 +210,8 @@ class WarmPool:
             self._takers.pop().handed.set()
 
     def finished(self) -> None:
-        """The execution on a taken container ended: start its replacement now, not while it ran, when
-        the start's CPU would have slowed the very execution the pool exists to speed up."""
+        """The execution on a taken container ended: its container no longer counts against the target.
+        (Starts that demand asks for meanwhile run at a starting container's low CPU weight.)"""
         self._lent -= 1
         self._sizer.left()
         self._wake()

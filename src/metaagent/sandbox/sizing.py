@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metaagent.errors import ConfigError
-from metaagent.settings import Settings
+from metaagent.settings import POOL_GROWTH, Settings
 
 # About the time one warm start takes on a busy small host (runc 0.3-1 s, gVisor 1-2 s). What came in the
 # last window is then about what must be in stock for an agent loop's back-to-back calls (one every
@@ -75,12 +75,14 @@ def pool_limits(settings: Settings, *, cpu_count: int, host_mb: int | None, cont
     ceiling = settings.effective_pool_size(cpu_count)
     if ceiling == 0:
         return PoolLimits.off()
-    floor = 1 if settings.pool_min is None else settings.pool_min
+    floor = settings.pool_min
+    if floor is None:  # as many as can run at once, as the pool held before it followed demand
+        floor = min(settings.effective_concurrency(cpu_count), ceiling)
     if floor > ceiling:
         where = (
             "METAAGENT_POOL_SIZE"
             if settings.pool_size is not None
-            else "the concurrency limit: METAAGENT_POOL_SIZE unset"
+            else f"{POOL_GROWTH} per execution slot: METAAGENT_POOL_SIZE unset"
         )
         raise ConfigError(
             f"METAAGENT_POOL_MIN ({floor}) is above the warm pool's ceiling ({ceiling}, {where}): "
