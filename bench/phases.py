@@ -6,8 +6,8 @@ node and the module gate and says it is ready (the cold path does the same on th
 container starts, as the pool starts one the moment a request takes one. The engine's calls are timed one by
 one, and the arrival of each chunk of the container's stream: from the start of `execute` to the
 program's output, from the output to the engine reporting the container's exit (node and dumb-init
-gone, the engine told), then `state` (inspect; only after an exit of 137) and `remove`, which a request waits for before it is
-answered. What the end-to-end figure adds on top of `execute` is the service's HTTP, validation,
+gone, the engine told), then `state` (inspect; only after an exit of 137) and `remove`, which a request
+waits for before it is answered. What the end-to-end figure adds on top of `execute` is the service's HTTP, validation,
 admission and audit.
 """
 
