@@ -131,7 +131,8 @@ async def prepare(engine: Engine, spec: ContainerSpec, *, start: bool, ready_mar
         container_id = await engine.create(spec)
     sock: socket.socket | None = None
     try:
-        sock = await engine.attach(container_id)
+        with anyio.CancelScope(shield=True):  # an attach abandoned halfway would leave its socket unclosed
+            sock = await engine.attach(container_id)
         if start:
             await engine.start(container_id)
     except BaseException:
