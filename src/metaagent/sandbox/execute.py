@@ -125,14 +125,20 @@ class Prepared:
         return bool(chunk)
 
 
+async def _attach_shielded(engine: Engine, container_id: str) -> socket.socket:
+    """The attach, seen through: one abandoned halfway would return a socket nobody closes."""
+    with anyio.CancelScope(shield=True):
+        sock = await engine.attach(container_id)
+    return sock  # noqa: RET504 (a return inside the scope reads to mypy as a missing return: scopes may swallow)
+
+
 async def prepare(engine: Engine, spec: ContainerSpec, *, start: bool, ready_marker: bytes = RUNNER_READY) -> Prepared:
     """Creates and attaches (and with `start`, starts) a container; removes it again if that fails."""
     with anyio.CancelScope(shield=True):  # a create abandoned halfway would leave a container nobody knows
         container_id = await engine.create(spec)
     sock: socket.socket | None = None
     try:
-        with anyio.CancelScope(shield=True):  # an attach abandoned halfway would leave its socket unclosed
-            sock = await engine.attach(container_id)
+        sock = await _attach_shielded(engine, container_id)
         if start:
             await engine.start(container_id)
     except BaseException:
