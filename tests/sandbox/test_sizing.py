@@ -114,6 +114,12 @@ def test_the_default_limits_are_the_concurrency_limit_four_times_it_and_a_quarte
     assert limits == PoolLimits(floor=concurrency, ceiling=4 * concurrency, memory_budget_mb=2048)
 
 
+def test_the_default_floor_is_at_most_what_a_small_hosts_default_budget_holds() -> None:
+    assert Settings().effective_concurrency(2) > 2
+    limits = pool_limits(Settings(), cpu_count=2, host_mb=2048, container_mb=256)  # a budget of 512 MB
+    assert (limits.floor, limits.memory_budget_mb) == (2, 512)
+
+
 def test_the_default_floor_is_at_most_an_explicit_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("METAAGENT_POOL_SIZE", "1")
     assert pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256).floor == 1
@@ -179,7 +185,7 @@ def test_a_budget_that_cannot_hold_the_floor_is_refused_with_the_least_that_woul
         monkeypatch.setenv("METAAGENT_POOL_MIN", floor)
     with pytest.raises(ConfigError) as raised:
         pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256)
-    least = int(floor or Settings().effective_concurrency(2)) * 256
+    least = int(floor or 1) * 256  # the default floor is what the budget holds, and at least one
     assert f"METAAGENT_POOL_MEMORY_MB ({budget}) holds {fits} warm container(s) of 256 MB" in str(raised.value)
     assert f"set it to at least {least}" in str(raised.value)
 

@@ -28,11 +28,12 @@ DEMAND_WINDOW_S = 2.0
 # An agent's model thinks for seconds to a minute between turns, and a burst (4-16 parallel calls) tends
 # to come again at the next turn. Idle containers use no CPU, only memory within the budget, while each
 # start costs a few hundred ms of CPU, the scarce thing on a small host: so a level is kept across a turn
-# or two and given back slowly, one container each 30 s (16 back to 1 in 7.5 minutes, 4 in 90 s).
+# or two and given back slowly, one container each 30 s (16 back to 4 in 6 minutes).
 DECAY_STEP_S = 30.0
 
 # The default memory budget: a quarter of the host's memory, at least one warm container (so that the
-# default floor of one fits anywhere) and at most 16 GiB, the largest ceiling (64) of 256 MB containers.
+# default floor, which the budget caps, fits anywhere) and at most 16 GiB, the largest ceiling (64) of
+# 256 MB containers.
 _MIN_DEFAULT_BUDGET_MB = 256
 _MAX_DEFAULT_BUDGET_MB = 16 * 1024
 _UNKNOWN_HOST_BUDGET_MB = 1024  # no /proc/meminfo (not Linux): four warm containers
@@ -75,9 +76,12 @@ def pool_limits(settings: Settings, *, cpu_count: int, host_mb: int | None, cont
     ceiling = settings.effective_pool_size(cpu_count)
     if ceiling == 0:
         return PoolLimits.off()
+    budget = settings.pool_memory_mb
+    if budget is None:
+        budget = default_memory_budget_mb(host_mb)
     floor = settings.pool_min
-    if floor is None:  # as many as can run at once, as the pool held before it followed demand
-        floor = min(settings.effective_concurrency(cpu_count), ceiling)
+    if floor is None:  # as many as can run at once (the pool's fixed size before), if ceiling and budget allow
+        floor = max(1, min(settings.effective_concurrency(cpu_count), ceiling, budget // container_mb))
     if floor > ceiling:
         where = (
             "METAAGENT_POOL_SIZE"
@@ -88,9 +92,6 @@ def pool_limits(settings: Settings, *, cpu_count: int, host_mb: int | None, cont
             f"METAAGENT_POOL_MIN ({floor}) is above the warm pool's ceiling ({ceiling}, {where}): "
             "lower METAAGENT_POOL_MIN or raise METAAGENT_POOL_SIZE"
         )
-    budget = settings.pool_memory_mb
-    if budget is None:
-        budget = default_memory_budget_mb(host_mb)
     if budget // container_mb < max(floor, 1):
         fits = budget // container_mb
         raise ConfigError(
