@@ -90,7 +90,7 @@ def runner_command(memory_mb: int) -> list[str]:
 # Bump when the assembly below changes in a way the runner files do not show (new files, modes...).
 RECIPE_VERSION = 2
 # Bump to force a fresh debootstrap (for example to pick up Debian security updates).
-BOOTSTRAP_RECIPE_VERSION = 2
+BOOTSTRAP_RECIPE_VERSION = 1
 BOOTSTRAP_SUITE = "bookworm"
 BOOTSTRAP_MIRROR = "http://deb.debian.org/debian"
 BOOTSTRAP_VARIANT = "minbase"
