@@ -21,7 +21,7 @@ from metaagent.sandbox.execute import prepare
 from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.runtime import RUNC, RUNSC, registration_problem
 from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB, container_spec
-from tests.sandbox.conftest import Service, running_service, wait_for_warm_containers
+from tests.sandbox.conftest import Service, audit_record, running_service, wait_for_warm_containers
 from tests.sandbox.test_runtime import engine_runtimes
 
 pytestmark = pytest.mark.docker
@@ -64,8 +64,9 @@ def test_a_starting_container_has_a_low_cpu_weight_and_every_cpu(docker_client: 
     assert anyio.run(created) == (STARTING_CPU_SHARES, int(spec.start_cpus * PERIOD_US))
 
 
-def limits_while_the_code_runs(service: Service, client: docker.DockerClient) -> tuple[int, int]:
-    """The CPU limits of the container running RUNNING_CODE, read once the program has printed."""
+def limits_while_the_code_runs(service: Service, client: docker.DockerClient, path: str) -> tuple[int, int]:
+    """The CPU limits of the container running RUNNING_CODE, read once the program has printed; the
+    execution must have taken `path` (warm or cold), as its audit record says."""
     body: dict[str, Any] = {"code": RUNNING_CODE, "timeout_s": 10}
     url = f"{service.base_url}/tools/code-interpreter"
     with httpx2.stream("POST", url, json=body, headers={"Accept": "text/event-stream"}, timeout=120) as response:
@@ -79,6 +80,7 @@ def limits_while_the_code_runs(service: Service, client: docker.DockerClient) ->
         rest = list(events)
     assert rest[-1].event == "result"
     assert rest[-1].json()["stdout"] == "running\ndone\n"
+    assert audit_record(service, rest[-1].json()["execution_id"])["container_path"] == path
     return limits
 
 
@@ -90,7 +92,8 @@ def test_under_runc_the_weight_and_share_of_a_running_execution_are_set_before_i
     with running_service(tmp_path, **settings) as service:
         if pool == "warm":
             wait_for_warm_containers(service)
-        assert limits_while_the_code_runs(service, docker_client) == (RUNNING_CPU_SHARES, int(CPUS * PERIOD_US))
+        limits = limits_while_the_code_runs(service, docker_client, pool)
+        assert limits == (RUNNING_CPU_SHARES, int(CPUS * PERIOD_US))
 
 
 def test_under_runsc_an_execution_has_a_running_executions_weight_and_share_from_its_start(
@@ -101,4 +104,5 @@ def test_under_runsc_an_execution_has_a_running_executions_weight_and_share_from
     spec = container_spec(new_execution_id(), image_tag(), DEFAULT_MEMORY_MB, CPUS, runtime=RUNSC)
     assert (spec.start_cpus, spec.start_cpu_shares) == (None, None)
     with running_service(tmp_path, METAAGENT_SANDBOX_RUNTIME="runsc", METAAGENT_POOL_ENABLED="false") as service:
-        assert limits_while_the_code_runs(service, docker_client) == (RUNNING_CPU_SHARES, int(CPUS * PERIOD_US))
+        limits = limits_while_the_code_runs(service, docker_client, "cold")
+        assert limits == (RUNNING_CPU_SHARES, int(CPUS * PERIOD_US))
