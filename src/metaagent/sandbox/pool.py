@@ -311,8 +311,7 @@ class WarmPool:
 
     def _missing(self) -> int:
         """Starts the target and the memory budget want now (containers being removed still count)."""
-        held = self._held()
-        return min(self.size - held - self._lent, self._sizer.idle_max - held)
+        return self.size - self._held() - self._lent  # `size` already leaves the budget's room
 
     def _trim(self) -> None:
         """Removes the idle containers above a target that decayed (the newest: takes go oldest first).

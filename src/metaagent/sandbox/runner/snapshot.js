@@ -14,12 +14,12 @@
 // no payload), and V8 re-seeds Math.random and node refreshes the process object (argv, env, pid, clocks)
 // when it starts from it.
 
-// Built-ins node can snapshot that the runner requires, compiled and evaluated here once for every start.
+// Built-ins node can snapshot that the runner requires, compiled and evaluated here once for every start;
+// those node warns it cannot snapshot yet (vm, async_hooks, readline, net, tls...) load with the runner.
 // 'module' is only required (node warns once, here at build time, that it cannot snapshot it, and no more
 // when the runner loads it): the CommonJS loader it exports is part of node's bootstrap anyway.
 const PRELOADED = [
   'module', 'fs', 'path', 'url', 'buffer', 'events', 'stream', 'string_decoder', 'util', 'crypto',
-  'vm', 'async_hooks', 'readline',
 ];
 for (const name of PRELOADED) require(name);
 
