@@ -16,7 +16,8 @@ import docker
 import httpx2
 import pytest
 
-from tests.sandbox.conftest import Service, audit_records, labelled_containers, running_service
+from metaagent.sandbox.runtime import RUNC
+from tests.sandbox.conftest import Service, audit_records, labelled_containers, running_service, runtime_of
 from tests.sandbox.test_gate import HOSTILE, PASSWD_LINE, SANDBOX_PASSWD_LINE, Hostile
 
 pytestmark = [pytest.mark.docker]
@@ -206,8 +207,14 @@ def test_running_out_of_memory_ends_the_session_with_410_oom(sessions: Sessions)
     sid = sessions.create(memory_mb=64)
     ended = sessions.run(sid, "const hog = []; for (;;) hog.push(new Array(1e6).fill(1));", timeout_s=30)
     assert ended["session_ended"] is True
-    assert ended["oom_killed"] is True
-    assert sessions.request("GET", f"/sessions/{sid}").json()["reason"] == "oom"
+    reason = sessions.request("GET", f"/sessions/{sid}").json()["reason"]
+    if runtime_of(sessions.service) is RUNC:
+        assert ended["oom_killed"] is True
+        assert reason == "oom"
+    else:
+        # Under runsc gVisor's own memory counts too, so the cgroup may kill before V8's heap error, and
+        # the engine misses that kill's OOM event about one time in five (README, isolation runtimes).
+        assert reason in ("oom", "exited"), reason
 
 
 def test_closing_a_session_removes_its_container_and_a_second_close_is_410(
