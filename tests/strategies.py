@@ -30,6 +30,17 @@ def lone_surrogates() -> st.SearchStrategy[str]:
     return st.tuples(st.text(max_size=12), lone, st.text(max_size=12)).map("".join)
 
 
+def any_text(max_size: int = 40) -> st.SearchStrategy[str]:
+    """Any Python string a sandbox's JSON could decode to: any code point, and surrogates alone, in the
+    wrong order, or as a high-low pair (which JavaScript reads as one character)."""
+    surrogate = st.one_of(
+        st.characters(min_codepoint=0xD800, max_codepoint=0xDBFF),
+        st.characters(min_codepoint=0xDC00, max_codepoint=0xDFFF),
+        st.sampled_from(["\ud83d\ude00", "\ude00\ud83d", "\ud800\ud800"]),
+    )
+    return st.lists(st.one_of(st.characters(), surrogate), max_size=max_size).map("".join)
+
+
 def over_long(max_length: int | None) -> st.SearchStrategy[str]:
     """Text past `max_length` (a field's declared bound), or large text where a field declares none."""
     low = (max_length or 64 * 1024) + 1

@@ -48,3 +48,25 @@ def test_frames_split_anywhere_come_out_whole_and_in_order() -> None:
 def test_a_malformed_frame_is_a_wire_error(data: bytes, says: str) -> None:
     with pytest.raises(wire.WireError, match=says):
         wire.FrameDecoder().add(data)
+
+
+@pytest.mark.security
+def test_a_reply_holding_lone_surrogates_comes_out_as_well_formed_text() -> None:
+    # What JSON.stringify sends for a result of new Error('\ud800'), a forged listing, a refusal's message;
+    # and the raw three bytes of a surrogate, which Python's JSON parser also takes.
+    reply = (
+        b'{"id": 3, "status": "ok", "result": "Error: \\ud800", "files": [{"path": "a\\udc00.txt", "size": 1}],'
+        b' "message": "x\xed\xa0\x80y", "\\udfff": ["\\ud83d\\ude00", "\\ude00\\ud83d"]}'
+    )
+    decoder = wire.FrameDecoder()
+    decoder.add(frame(wire.REPLY, reply))
+    (decoded,) = decoder.take()
+    assert decoded.message == {
+        "id": 3,
+        "status": "ok",
+        "result": "Error: \ufffd",
+        "files": [{"path": "a\ufffd.txt", "size": 1}],
+        "message": "x\ufffdy",
+        "\ufffd": ["\U0001f600", "\ufffd\ufffd"],
+    }
+    json.dumps(decoded.message, ensure_ascii=False).encode("utf-8")  # every face can write it

@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from metaagent.validation import well_formed
+from metaagent.text import well_formed
 
 MARK = "[redacted]"
 FRAGMENT = 12  # letters and digits of a key that, in a row, count as the key

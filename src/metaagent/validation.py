@@ -14,6 +14,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, field_validator
 from pydantic_core import PydanticCustomError
 
+from metaagent.text import is_well_formed
+
 
 def lone_surrogate_at(value: Any) -> str | None:
     """Where in `value` a string holds a lone surrogate ("" for `value` itself, "[2]", "['key']"), or None."""
@@ -21,24 +23,16 @@ def lone_surrogate_at(value: Any) -> str | None:
     while pending:
         where, item = pending.pop()
         if isinstance(item, str):
-            if not _well_formed(item):
+            if not is_well_formed(item):
                 return where
         elif isinstance(item, list | tuple):
             pending.extend((f"{where}[{i}]", element) for i, element in enumerate(item))
         elif isinstance(item, dict):
             for key, element in item.items():
-                if isinstance(key, str) and not _well_formed(key):
+                if isinstance(key, str) and not is_well_formed(key):
                     return f"{where} (a key)"
                 pending.append((f"{where}[{key!r}]", element))
     return None
-
-
-def _well_formed(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class ToolRequest(BaseModel):
@@ -59,10 +53,3 @@ class ToolRequest(BaseModel):
                 {"inside": inside},
             )
         return value
-
-
-def well_formed(text: str) -> str:
-    """`text` with each lone surrogate replaced by U+FFFD, for text from elsewhere (an upstream's answer)."""
-    if _well_formed(text):
-        return text
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")

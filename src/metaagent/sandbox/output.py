@@ -13,12 +13,13 @@ differ (past the cap the answer adds its truncation marker; a listener never see
 
 from __future__ import annotations
 
-import codecs
 import struct
 from collections.abc import Awaitable, Callable
 from typing import Literal, Protocol
 
 from pydantic import BaseModel
+
+from metaagent import text as sandbox_text
 
 STDOUT, STDERR = 1, 2
 _HEADER = struct.Struct(">BxxxI")
@@ -62,7 +63,7 @@ class CappedBuffer:
         self.produced = 0
         self.kept_bytes = 0
         self._pieces: list[str] = []
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._decoder = sandbox_text.decoder()  # the one rule for a sandbox's text
         self._listener = listener
         self._finished = False
 
@@ -108,7 +109,7 @@ class CappedBuffer:
         text = "".join(self._pieces)
         if not self.truncated:
             pending, _flag = self._decoder.getstate()  # empty after finish(); before it, what finish() adds
-            return text + pending.decode("utf-8", errors="replace")
+            return text + sandbox_text.decode(pending)
         return f"{text}\n[output truncated: {self.produced} bytes produced, the first {self.shown_bytes} shown]\n"
 
 

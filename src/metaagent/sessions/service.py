@@ -415,44 +415,69 @@ class Sessions:
         tenant: Caller,
         sink: OutputSink | None = None,
     ) -> SessionExecuteResponse:
-        """One call, buffered (no sink) or streamed to `sink`: the same path either way."""
+        """One call, buffered (no sink) or streamed to `sink`: the same path either way.
+
+        Every call whose code was handed over gets its `session.call` record, whatever happened next: the
+        record is written in a `finally`, from the call's outcome, before the answer is built from it, so
+        no failure while answering (nor a caller who hung up) can skip it.
+        """
         session = self.get(session_id, tenant)
         caller = tenant.key_id
         queued_at = time.monotonic()
-        async with self._use(session) as container:
-            queued_ms = int((time.monotonic() - queued_at) * 1000)
-            execution = Execution(
-                new_execution_id(), request.timeout_s, session.config.memory_mb, caller=caller,
-                container_id=container.container_id, session_id=session_id,
-            )  # fmt: skip
-            self.registry.add(execution)
-            try:
-                outcome = await container.call(request.code, request.timeout_s, execution, sink)
-            finally:
-                self.registry.discard(execution)
-            session.executions += 1
-        if outcome.status == "ended":  # its answer arrives once the session is gone
-            with anyio.move_on_after(30):
-                await session.retired.wait()
-        response = _response(session_id, execution.execution_id, outcome, queued_ms)
+        execution: Execution | None = None
+        outcome: CallOutcome | None = None
+        failure = ""
+        try:
+            async with self._use(session) as container:
+                queued_ms = int((time.monotonic() - queued_at) * 1000)
+                execution = Execution(
+                    new_execution_id(), request.timeout_s, session.config.memory_mb, caller=caller,
+                    container_id=container.container_id, session_id=session_id,
+                )  # fmt: skip
+                self.registry.add(execution)
+                try:
+                    outcome = await container.call(request.code, request.timeout_s, execution, sink)
+                finally:
+                    self.registry.discard(execution)
+                session.executions += 1
+            if outcome.status == "ended":  # its answer arrives once the session is gone
+                with anyio.move_on_after(30):
+                    await session.retired.wait()
+        except BaseException as exc:
+            failure = "cancelled" if isinstance(exc, anyio.get_cancelled_exc_class()) else type(exc).__name__
+            raise
+        finally:
+            if execution is not None:
+                self._audit_call(session_id, execution, request.code, outcome, failure)
+        return _response(session_id, execution.execution_id, outcome, queued_ms)
+
+    def _audit_call(
+        self, session_id: str, execution: Execution, code: str, outcome: CallOutcome | None, failure: str
+    ) -> None:
+        result: dict[str, Any]
+        if outcome is None:  # the caller hung up ("cancelled"), or the call failed (the exception's class)
+            result = {"status": "error", "error": failure or "cancelled"}
+        else:
+            flags = _flags(outcome)
+            result = {
+                "status": "completed",
+                "exit_code": flags.exit_code,
+                "timed_out": flags.timed_out,
+                "killed": flags.killed,
+                "oom_killed": outcome.oom_killed,
+                "session_ended": flags.ended,
+                "duration_ms": outcome.duration_ms,
+                "stdout_bytes": outcome.stdout.produced,
+                "stderr_bytes": outcome.stderr.produced,
+            }
         self.audit.append(
             "session.call",
             session_id=session_id,
             execution_id=execution.execution_id,
-            caller=caller,
-            **code_fields(request.code),
-            outcome={
-                "exit_code": response.exit_code,
-                "timed_out": response.timed_out,
-                "killed": response.killed,
-                "oom_killed": response.oom_killed,
-                "session_ended": response.session_ended,
-                "duration_ms": response.duration_ms,
-                "stdout_bytes": outcome.stdout.produced,
-                "stderr_bytes": outcome.stderr.produced,
-            },
+            caller=execution.caller,
+            **code_fields(code),
+            outcome=result,
         )
-        return response
 
     async def put_file(self, session_id: str, path: str, chunks: AsyncIterator[bytes], tenant: Caller) -> FileWritten:
         session = self.get(session_id, tenant)
@@ -554,26 +579,44 @@ def _capped_result(result: str | None, produced: int) -> tuple[str | None, bool]
     return f"{shown}\n[result truncated: {produced} bytes, the first {len(shown.encode())} shown]\n", True
 
 
-def _response(session_id: str, execution_id: str, outcome: CallOutcome, queued_ms: int) -> SessionExecuteResponse:
+@dataclass(frozen=True)
+class _Flags:
+    exit_code: int | None
+    timed_out: bool
+    killed: bool
+    ended: bool
+
+
+def _flags(outcome: CallOutcome) -> _Flags:
+    """What a call's answer and its audit record both say of how it ended."""
     ended = outcome.status == "ended"
-    exit_code = outcome.exit_code if ended else {"ok": 0, "threw": 1}.get(outcome.status)
+    return _Flags(
+        exit_code=outcome.exit_code if ended else {"ok": 0, "threw": 1}.get(outcome.status),
+        timed_out=outcome.timed_out or (ended and outcome.ended == "timeout"),
+        killed=outcome.killed or (ended and outcome.ended in _SERVICE_ENDS and outcome.ended != "timeout"),
+        ended=ended,
+    )
+
+
+def _response(session_id: str, execution_id: str, outcome: CallOutcome, queued_ms: int) -> SessionExecuteResponse:
+    flags = _flags(outcome)
     result, truncated = _capped_result(outcome.result if outcome.status == "ok" else None, outcome.result_bytes)
     return SessionExecuteResponse(
         execution_id=execution_id,
-        exit_code=exit_code,
+        exit_code=flags.exit_code,
         stdout=outcome.stdout.text(),
         stderr=outcome.stderr.text(),
         stdout_truncated=outcome.stdout.truncated,
         stderr_truncated=outcome.stderr.truncated,
-        timed_out=outcome.timed_out or (ended and outcome.ended == "timeout"),
+        timed_out=flags.timed_out,
         oom_killed=outcome.oom_killed,
         duration_ms=outcome.duration_ms,
-        killed=outcome.killed or (ended and outcome.ended in _SERVICE_ENDS and outcome.ended != "timeout"),
+        killed=flags.killed,
         queued_ms=queued_ms,
         session_id=session_id,
         result=result,
         result_truncated=truncated,
-        session_ended=ended,
+        session_ended=flags.ended,
     )
 
 

@@ -32,8 +32,8 @@ from metaagent.egress.guard import EgressGuard
 from metaagent.errors import HostBlocked, Unavailable, UpstreamError, UpstreamTimeout
 from metaagent.redaction import Redactor
 from metaagent.settings import Settings
+from metaagent.text import well_formed
 from metaagent.tools.http import CLIENT_ERRORS, describe_client_error, read_capped
-from metaagent.validation import well_formed
 
 log = logging.getLogger("metaagent.upstream")
 

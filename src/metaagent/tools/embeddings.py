@@ -19,9 +19,10 @@ from pydantic import BaseModel, Field
 
 from metaagent.egress.guard import EgressGuard
 from metaagent.settings import Settings
+from metaagent.text import well_formed
 from metaagent.tools import ToolSpec
 from metaagent.tools._upstream import AnswerBounds, JsonApi, require_key
-from metaagent.validation import ToolRequest, well_formed
+from metaagent.validation import ToolRequest
 
 if TYPE_CHECKING:
     from metaagent.services import Services
