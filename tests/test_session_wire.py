@@ -53,7 +53,7 @@ def test_a_malformed_frame_is_a_wire_error(data: bytes, says: str) -> None:
 @pytest.mark.security
 def test_a_reply_holding_lone_surrogates_comes_out_as_well_formed_text() -> None:
     # What JSON.stringify sends for a result of new Error('\ud800'), a forged listing, a refusal's message;
-    # and the raw three bytes of a surrogate, which Python's JSON parser also takes.
+    # and the raw three bytes of a surrogate, which Python's JSON parser would take as one.
     reply = (
         b'{"id": 3, "status": "ok", "result": "Error: \\ud800", "files": [{"path": "a\\udc00.txt", "size": 1}],'
         b' "message": "x\xed\xa0\x80y", "\\udfff": ["\\ud83d\\ude00", "\\ude00\\ud83d"]}'
@@ -66,7 +66,7 @@ def test_a_reply_holding_lone_surrogates_comes_out_as_well_formed_text() -> None
         "status": "ok",
         "result": "Error: \ufffd",
         "files": [{"path": "a\ufffd.txt", "size": 1}],
-        "message": "x\ufffdy",
+        "message": "x\ufffd\ufffd\ufffdy",  # bytes that are not UTF-8, as in stdout: one U+FFFD each
         "\ufffd": ["\U0001f600", "\ufffd\ufffd"],
     }
     json.dumps(decoded.message, ensure_ascii=False).encode("utf-8")  # every face can write it

@@ -7,10 +7,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import mcp.types as types
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
+from fastapi.sse import format_sse_event
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
-from metaagent.text import decode, decoder, is_well_formed, well_formed, well_formed_json
+from metaagent.sandbox import session_wire as wire
+from metaagent.sandbox.output import CappedBuffer
+from metaagent.sandbox.session_container import CallOutcome
+from metaagent.sessions.models import FileInfo, FileList
+from metaagent.sessions.service import _response
+from metaagent.text import decode, decoder, is_well_formed, loads, well_formed, well_formed_json
+from metaagent.validation import lone_surrogate_at
 from tests.strategies import any_text
 
 PROPERTY = settings(max_examples=300, deadline=None)
@@ -54,6 +65,8 @@ def test_each_lone_surrogate_is_one_replacement_character_and_a_pair_is_its_char
     assert well_formed("\udc00\ud800") == "\ufffd\ufffd"
     assert well_formed("\ud83d\ude00") == "\U0001f600"
     assert well_formed("\ufeff\ud800") == "\ufeff\ufffd"  # a leading BOM character is text, not a mark
+    assert well_formed("\ud800\ud800\udc00\udc00") == "\ufffd\U00010000\ufffd"
+    assert well_formed("\ud800" * 100_000) == "\ufffd" * 100_000
 
 
 def json_trees() -> st.SearchStrategy[Any]:
@@ -85,6 +98,27 @@ def test_every_string_of_a_decoded_reply_keys_included_becomes_well_formed(value
     assert shown == reference_tree(json.loads(json.dumps(value)))
 
 
+@PROPERTY
+@given(json_trees(), st.booleans())
+def test_a_reply_parsed_from_the_runners_bytes_holds_only_well_formed_text(value: Any, escaped: bool) -> None:
+    # JSON.stringify escapes a lone surrogate; a forged frame may carry its raw bytes instead.
+    text = json.dumps(value, ensure_ascii=escaped)
+    shown = loads(text.encode("utf-8", "surrogatepass"))
+    assert lone_surrogate_at(shown) is None
+    if escaped:
+        assert shown == reference_tree(value)
+
+
+@PROPERTY
+@given(st.binary(max_size=200))
+def test_any_bytes_parse_to_well_formed_json_or_not_at_all(payload: bytes) -> None:
+    try:
+        shown = loads(payload)
+    except ValueError:
+        return
+    assert lone_surrogate_at(shown) is None
+
+
 def test_a_deep_reply_is_made_well_formed_without_exhausting_the_stack() -> None:
     deep: Any = "\ud800"
     for _ in range(100_000):
@@ -106,3 +140,44 @@ def test_sandbox_bytes_decode_to_well_formed_text_however_they_are_split(data: b
 
 def test_the_utf8_like_encoding_of_a_surrogate_is_not_text() -> None:
     assert decode(b"a\xed\xa0\x80b") == "a\ufffd\ufffd\ufffdb"  # each invalid byte, as TextDecoder does
+
+
+# --- every face, from what a runner sends ----------------------------------------------------------------
+
+
+def reply_frame(message: dict[str, Any]) -> bytes:
+    """A runner's REPLY frame as JSON.stringify writes it (a lone surrogate as its `\\ud800` escape)."""
+    payload = json.dumps(message).encode()
+    return b"r" + len(payload).to_bytes(4, "big") + payload
+
+
+def faces(model: BaseModel) -> None:
+    """Writes `model` as each face does: a JSON answer, an SSE result event, an MCP tool result."""
+    JSONResponse(jsonable_encoder(model)).render(jsonable_encoder(model))
+    format_sse_event(data_str=model.model_dump_json(), event="result")
+    structured = model.model_dump(mode="json")
+    text = json.dumps(structured, ensure_ascii=False, indent=2)
+    types.CallToolResult(content=[types.TextContent(text=text)], structured_content=structured).model_dump_json()
+
+
+@PROPERTY
+@given(any_text(), any_text(), st.binary(max_size=64), st.binary(max_size=64))
+def test_whatever_text_a_runner_sends_every_face_can_write_the_answer(
+    result: str, path: str, stdout: bytes, stderr: bytes
+) -> None:
+    decoder = wire.FrameDecoder()
+    decoder.add(reply_frame({"id": 2, "status": "ok", "result": result, "result_bytes": 0}))
+    decoder.add(reply_frame({"id": 3, "files": [{"path": path, "size": 1, "modified_at": "2026-01-01T00:00:00Z"}]}))
+    call, listing = (frame.message or {} for frame in decoder.take())
+    out, err = CappedBuffer(1024, "stdout"), CappedBuffer(1024, "stderr")
+    out.add(stdout)
+    err.add(stderr)
+    out.finish()
+    err.finish()
+    outcome = CallOutcome("ok", out, err, 1, result=call["result"])
+    answer = _response("ses_x", "exe_x", outcome, 0)
+    faces(answer)
+    assert answer.result == to_well_formed(result)
+    files = FileList(files=[FileInfo.model_validate(entry) for entry in listing["files"]])
+    faces(files)
+    assert files.files[0].path == to_well_formed(path)

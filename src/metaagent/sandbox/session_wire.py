@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from metaagent.text import well_formed_json
+from metaagent import text as sandbox_text
 
 HEADER = struct.Struct(">cI")
 CHUNK = 64 * 1024  # file bytes per frame, both ways
@@ -86,7 +86,7 @@ class FrameDecoder:
 
 def _message(payload: bytes) -> dict[str, Any]:
     try:
-        message = well_formed_json(json.loads(payload))  # the one rule for a sandbox's text (text.py)
+        message = sandbox_text.loads(payload)  # JSON with the one rule for a sandbox's text (text.py)
     except (ValueError, RecursionError):
         raise WireError("a reply that is not JSON") from None
     if not isinstance(message, dict) or type(message.get("id")) is not int:
