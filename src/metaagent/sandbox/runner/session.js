@@ -3,7 +3,8 @@
 // behind the same module gate as a one-shot run, in a child of the session's supervisor
 // (supervisor.js), which owns the wire to the service and the workspace's file service.
 //
-// Its fds are pipes to the supervisor and nothing else: calls come on fd 0 as `x {id, code}` frames
+// Its fds are pipes to the supervisor and nothing else: calls come on fd 0 as `x {id, code}` frames (the
+// id a token the supervisor made for the call)
 // (one type byte, a 32-bit big-endian length, the JSON), answers leave on fd 3 as `r {id, status,
 // result, result_bytes}` frames, and the program's stdout and stderr are its fds 1 and 2, raw. The
 // program can write anything anywhere it reaches: the supervisor checks every answer and frames every

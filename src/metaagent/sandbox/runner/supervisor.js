@@ -22,8 +22,8 @@
 //   l {id}             list the files
 //   D {id, path}       delete a file
 //
-// To the program (its fd 0) go only `x` frames; from it (its fd 3) come only `r` answers, each checked
-// here. Its stdout and stderr are raw bytes: this process frames them as they come, and of each output
+// To the program (its fd 0) go only `x` frames, each with a fresh token for its id; from it (its fd 3)
+// come only `r` answers, each checked here. Its stdout and stderr are raw bytes: this process frames them as they come, and of each output
 // window (from one call's answer to the next's) forwards at most what the service keeps (its 50 KiB
 // and 25 KiB caps) and counts the rest, which the next answer reports (`stdout_skipped`,
 // `stderr_skipped`). So a program that floods its output, between calls or during one, costs the
@@ -33,6 +33,7 @@
 
 const fs = require('fs');
 const childProcess = require('child_process');
+const net = require('net');
 const crypto = require('crypto');
 const { Buffer } = require('buffer');
 
@@ -162,7 +163,11 @@ function runSupervisor({ stdio, programHeader, initial }) {
 
   // --- calls: code to the program, its checked answer to the service ---
 
-  let current = null; // the id of the call that runs
+  // The call that runs: the service's id, and the token the program knows it by. The token is new and
+  // unguessable for each call, so a program that writes to its answer pipe cannot answer a call it has
+  // not been given (one that would not run): only the running call's own code knows its token, and
+  // only by reading the frame that brought it.
+  let current = null;
   let ready = false;
   let startRequests = null; // set below: hands the requests that came early to their handler
 
@@ -173,18 +178,16 @@ function runSupervisor({ stdio, programHeader, initial }) {
     } catch {
       return badAnswer('not JSON');
     }
-    if (message === null || typeof message !== 'object' || !Number.isSafeInteger(message.id)) {
-      return badAnswer('no integer id');
-    }
+    if (message === null || typeof message !== 'object') return badAnswer('not an object');
     if (!ready) {
       if (message.id !== 0 || message.status !== 'ready') return badAnswer('an answer before it was ready');
       ready = true;
       reply({ id: 0, status: 'ready' });
       return startRequests();
     }
-    if (current === null || message.id !== current) return badAnswer(`an answer to no call (${message.id})`);
+    if (current === null || message.id !== current.token) return badAnswer('an answer to no call');
     if (!CALL_STATUSES.has(message.status)) return badAnswer('an unknown status');
-    const checked = { id: current, status: message.status };
+    const checked = { id: current.id, status: message.status };
     if (typeof message.result === 'string') {
       const bytes = Buffer.from(message.result, 'utf8');
       checked.result = bytes.length <= MAX_RESULT_BYTES ? message.result : bytes.subarray(0, MAX_RESULT_BYTES).toString('utf8');
@@ -212,22 +215,25 @@ function runSupervisor({ stdio, programHeader, initial }) {
     return answer(payload);
   }, badAnswer));
 
-  // The program's end is the session's: this process leaves with its code, once its output is read.
-  program.on('close', (code, signal) => {
-    const signals = require('os').constants.signals;
+  // The program's end is the session's: this process leaves with its code, once the output it left in
+  // the pipes is read. (Not at 'close', which waits for every pipe's other end to be seen closed.)
+  const signals = require('os').constants.signals;
+  program.on('exit', (code, signal) => {
+    drainNow(programStdout, (bytes) => output('o', bytes));
+    drainNow(programStderr, stderrBytes);
     process.exit(code !== null ? code : 128 + (signals[signal] || 9));
   });
 
   function execute(id, code) {
     if (current !== null) return fail('a call while another runs');
     if (typeof code !== 'string') return fail('a call without code');
-    current = id;
-    toProgram.write(jsonFrame('x', { id, code }));
+    current = { id, token: crypto.randomBytes(16).toString('hex') };
+    toProgram.write(jsonFrame('x', { id: current.token, code }));
     return undefined;
   }
 
   function interrupt(id) {
-    if (current !== null && current === id) program.kill('SIGINT');
+    if (current !== null && current.id === id) program.kill('SIGINT');
   }
 
   // --- file requests: this process's own fs, each component checked with lstat ---
@@ -467,21 +473,15 @@ function runSupervisor({ stdio, programHeader, initial }) {
     early = null;
     if (waiting.length > 0) consume(waiting);
   };
-  const readBuffer = Buffer.alloc(CHUNK);
-  function readMore() {
-    fs.read(0, readBuffer, 0, CHUNK, null, (error, size) => {
-      if (error && error.code === 'EAGAIN') return setTimeout(readMore, 5);
-      if (error || size === 0) {
-        program.kill('SIGKILL'); // the service closed the session's stdin: the session is over
-        return undefined;
-      }
-      const bytes = Buffer.from(readBuffer.subarray(0, size));
-      if (early !== null) early = Buffer.concat([early, bytes]);
-      else consume(bytes);
-      return readMore();
-    });
-  }
-  readMore();
+  // fd 0 as a stream of the event loop, not reads on the thread pool: a read blocked there would hold
+  // up this process's exit (libuv joins its threads at exit), and the program's code would be lost.
+  const requests = new net.Socket({ fd: 0, readable: true, writable: false });
+  requests.on('data', (bytes) => {
+    if (early !== null) early = Buffer.concat([early, bytes]);
+    else consume(bytes);
+  });
+  requests.on('end', () => program.kill('SIGKILL')); // the service closed stdin: the session is over
+  requests.on('error', () => program.kill('SIGKILL'));
 }
 
 module.exports = Object.freeze({ __proto__: null, runSupervisor });
