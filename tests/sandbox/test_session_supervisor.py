@@ -7,13 +7,24 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx2
 import pytest
 
-from tests.sandbox.test_sessions import Sessions, sessions  # noqa: F401 (the fixture)
+from tests.sandbox.conftest import Service
+from tests.sandbox.test_sessions import Sessions
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
+
+
+@pytest.fixture
+def sessions(sandbox_service: Service) -> Iterator[Sessions]:
+    client = Sessions(sandbox_service)
+    yield client
+    for record in client.request("GET", "/sessions").json()["sessions"]:
+        client.close(record["session_id"])
+
 
 # Replaces every method and getter of every built-in prototype and namespace the program can reach
 # (generated from globalThis, not picked by hand) with ones that lead out of /workspace: strings and
@@ -126,7 +137,8 @@ def test_raw_bytes_to_every_descriptor_change_nothing_but_the_programs_own_outpu
     # Later calls run for real: their results are computed, not forged, and the files are the real ones.
     for n in (1, 2, 3):
         later = sessions.run(sid, f"globalThis.count = (globalThis.count || 0) + 1; count * {n}")
-        assert later["result"] == str(n) and later["exit_code"] == 0, later
+        assert later["result"] == str(n), later
+        assert later["exit_code"] == 0
         assert later["session_ended"] is False
     listed = sessions.request("GET", f"/sessions/{sid}/files").json()["files"]
     assert [entry["path"] for entry in listed] == ["real.txt"]
