@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import anyio
+import anyio.lowlevel
 
 from metaagent.errors import sole_error
 from metaagent.executions import Execution
@@ -116,7 +117,12 @@ class Prepared:
         await sock_sendall(self.sock, data)
 
     async def read_some(self) -> bool:
-        """Reads what the stream has (waiting for it); False at the end of the stream."""
+        """Reads what the stream has (waiting for it); False at the end of the stream.
+
+        Always yields to the event loop: asyncio's sock_recv returns at once while the socket has data,
+        so a container that never stops writing would otherwise hold the loop for every other caller.
+        One read is at most 64 KiB, so a container costs the loop a bounded slice per turn."""
+        await anyio.lowlevel.checkpoint()
         try:
             chunk = await sock_recv(self.sock, 65536)
         except OSError:

@@ -82,6 +82,10 @@ class CappedBuffer:
             self._emit(self._decoder.decode(kept))
         self.produced += len(data)
 
+    def skipped(self, count: int) -> None:
+        """`count` more bytes were produced, and dropped before they reached the service."""
+        self.produced += count
+
     def finish(self) -> None:
         """The stream ended: a trailing incomplete character becomes U+FFFD, unless the cap cut it off."""
         if not self._finished and not self.truncated:

@@ -1,14 +1,17 @@
-"""A session's container, seen from the service: its runner's frames in, requests out.
+"""A session's container, seen from the service: its supervisor's frames in, requests out.
 
-One reader task per session reads the attach stream for the session's whole life (`run`): the runner's
-frames come on stdout (session_wire.py), raw writes to fd 2 on stderr. Output goes to the call that
-runs, or, between calls (a timer of an earlier call), to the next call. Replies wake the request that
-waits for them; a download's bytes go to its consumer through a bounded stream, so a slow client slows
-the runner rather than the service's memory.
+One reader task per session reads the attach stream for the session's whole life (`run`): the
+supervisor's frames come on stdout (session_wire.py), its own raw writes to fd 2 on stderr. Output goes
+to the call that runs, or, between calls (a timer of an earlier call), to the next call: an output
+window runs from one call's answer to the next's, and holds at most what the caps keep (the supervisor
+forwards no more, and counts the rest in the next answer), so a flood costs the service at most one
+window per call. Replies wake the request that waits for them; a download's bytes go to its consumer
+through a bounded stream, so a slow client slows the supervisor rather than the service's memory.
 
 Calls and file requests are made one at a time (the session service serialises them). A call that does
-not end at its deadline, or that is killed, is interrupted with SIGINT; if the runner does not answer
-within the grace period the container is killed and the session ends.
+not end at its deadline, or that is killed, is interrupted (an `i` frame: the supervisor sends SIGINT
+to the program); if it does not answer within the grace period the container is killed and the
+session ends.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ log = logging.getLogger("metaagent.session")
 READY_TIMEOUT_S = 30.0
 _DOWNLOAD_BUFFER_FRAMES = 16  # frames of 64 KiB held between the runner and a download's client
 _HEAP_EXHAUSTED = "JavaScript heap out of memory"
+_WINDOW_CAP: dict[Stream, int] = {"stdout": STDOUT_CAP, "stderr": STDERR_CAP}  # as runner/supervisor.js
 
 
 class SessionGone(Exception):
@@ -135,6 +139,7 @@ class SessionContainer:
         self.oom_killed = False
         self._decoder = wire.FrameDecoder()
         self._output = CallOutput()  # between calls: kept for the next call
+        self._window = {"stdout": 0, "stderr": 0}  # the framed output bytes of this output window
         self._pending: dict[int, _Pending] = {}
         self._call_id: int | None = None  # the call whose output comes now
         self._download: _DownloadStream | None = None
@@ -212,19 +217,29 @@ class SessionContainer:
 
     async def _dispatch(self, frames: list[wire.Frame]) -> None:
         for frame in frames:
-            if frame.kind == wire.STDOUT:
-                self._output.add("stdout", frame.payload)
-            elif frame.kind == wire.STDERR:
-                self._output.add("stderr", frame.payload)
+            if frame.kind in (wire.STDOUT, wire.STDERR):
+                stream: Stream = "stdout" if frame.kind == wire.STDOUT else "stderr"
+                self._window[stream] += len(frame.payload)
+                if self._window[stream] > _WINDOW_CAP[stream]:
+                    raise wire.WireError(f"more {stream} in one output window than its cap")
+                self._output.add(stream, frame.payload)
             elif frame.kind == wire.REPLY:
                 if frame.id == self._call_id:  # what comes after the call's answer belongs to the next call
+                    self._count_skipped(frame.message or {})
                     self._call_id = None
                     self._output = CallOutput()
+                    self._window = {"stdout": 0, "stderr": 0}
                 pending = self._pending.pop(frame.id or 0, None)
                 if pending is not None:
                     pending.settle(frame.message or {})
             else:
                 await self._to_download(frame)
+
+    def _count_skipped(self, message: dict[str, Any]) -> None:
+        for stream in ("stdout", "stderr"):
+            count = message.get(f"{stream}_skipped")
+            if type(count) is int and 0 < count < 1 << 62:
+                (self._output.stdout if stream == "stdout" else self._output.stderr).skipped(count)
 
     async def _to_download(self, frame: wire.Frame) -> None:
         download = self._download
@@ -293,13 +308,13 @@ class SessionContainer:
                 await first_of(pending.done, self.ended, execution.kill_requested)
         except anyio.get_cancelled_exc_class():  # the caller hung up: the call is interrupted, as a kill
             with anyio.CancelScope(shield=True):
-                await self._interrupt(pending, "killed")
+                await self._interrupt(pending, request_id, "killed")
             raise
         if not pending.done.is_set() and not self.ended.is_set():
             killed = execution.kill_requested.is_set()
             timed_out = not killed
             execution.state = "stopping"
-            await self._interrupt(pending, "killed" if killed else "timeout")
+            await self._interrupt(pending, request_id, "killed" if killed else "timeout")
         duration_ms = int((time.monotonic() - started) * 1000)
         if self._call_id == request_id:  # no answer came (interrupted without one, or the session ended)
             self._call_id = None
@@ -328,9 +343,13 @@ class SessionContainer:
             killed=killed and status == "interrupted",
         )
 
-    async def _interrupt(self, pending: _Pending, reason: str) -> None:
-        """SIGINT to the runner; if the call does not answer within the grace period, the session ends."""
-        await self.engine.kill(self.container_id, "SIGINT")
+    async def _interrupt(self, pending: _Pending, request_id: int, reason: str) -> None:
+        """Asks the supervisor to interrupt the call; if the call does not answer within the grace period,
+        the session ends. No engine call: an interrupt never waits on the engine."""
+        try:
+            await self._send(wire.request(wire.INTERRUPT, id=request_id))
+        except SessionGone:
+            return
         with anyio.move_on_after(self.grace_s):
             await first_of(pending.done, self.ended)
         if not pending.done.is_set() and not self.ended.is_set():

@@ -1,10 +1,13 @@
-"""The wire between the service and a session's runner (runner/session.js says the same from its side).
+"""The wire between the service and a session's supervisor (runner/supervisor.js says the same from its
+side).
 
 Frames, both ways: one type byte, a 32-bit big-endian length, then that many bytes. Requests go on the
-container's stdin; the runner's frames come on its stdout. The program shares the runner's process and
-can write anything there, so every frame from the runner is checked here: a known type, a bounded
-length, JSON that is an object with an integer id. Anything else is a `WireError`, and the session it
-came from is ended; a frame can only ever confuse its own session.
+container's stdin; the supervisor's frames come on its stdout. The program runs in a child of the
+supervisor and holds no descriptor of this wire, but the service trusts the container no more for that:
+every frame is checked here (a known type, a bounded length, no empty output frame, JSON that is an
+object with an integer id), and the session's reader holds each output window to what the caps keep.
+Anything else is a `WireError`, and the session it came from is ended; a frame can only ever confuse
+its own session.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ STDOUT, STDERR, REPLY, FILE, DATA, END = b"o", b"e", b"r", b"f", b"d", b"z"
 _JSON_TYPES = frozenset({REPLY, FILE, END})
 _KNOWN = frozenset({STDOUT, STDERR, REPLY, FILE, DATA, END})
 
-EXECUTE, PUT, ABORT, GET, LIST, DELETE = b"x", b"p", b"a", b"g", b"l", b"D"
+EXECUTE, INTERRUPT, PUT, ABORT, GET, LIST, DELETE = b"x", b"i", b"p", b"a", b"g", b"l", b"D"
 
 
 class WireError(Exception):
@@ -76,6 +79,8 @@ class FrameDecoder:
                 raise WireError(f"a frame of unknown type {kind!r}")
             if length > MAX_FRAME:
                 raise WireError(f"a frame of {length} bytes")
+            if length == 0 and kind in (STDOUT, STDERR):
+                raise WireError("an empty output frame")
             end = HEADER.size + length
             if len(self._pending) < end:
                 return

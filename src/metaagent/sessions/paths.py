@@ -21,6 +21,18 @@ def workspace_path(raw: bytes) -> str:
         path = data.decode("utf-8")
     except UnicodeDecodeError:
         raise _refused("it is not valid UTF-8 once percent-decoded") from None
+    return checked_path(path)
+
+
+def checked_path(path: str) -> str:
+    """`path` itself when it follows the rules (a decoded path, or one a listing names); raises
+    RequestRefused (400)."""
+    try:
+        data = path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _refused("it is not valid UTF-8") from None
+    if not data:
+        raise _refused("it is empty; name a file, e.g. data/input.csv")
     if len(data) > MAX_PATH_BYTES:
         raise _refused(f"it is {len(data)} bytes long; at most {MAX_PATH_BYTES}")
     if path.startswith("/"):

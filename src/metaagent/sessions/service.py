@@ -58,6 +58,7 @@ from metaagent.sessions.models import (
     SessionExecuteResponse,
     SessionRecord,
 )
+from metaagent.sessions.paths import checked_path
 from metaagent.tenancy import Caller, may_access, visible_to
 from metaagent.tools.code_interpreter import CodeInterpreter, code_fields, container_spec, refuse_unserved_language
 
@@ -524,12 +525,12 @@ class Sessions:
                 reply = await container.list()
             except (FileRefused, SessionGone) as exc:
                 raise _file_error(session, "", exc) from None
-        files = []
-        for entry in reply.get("files") or []:
-            try:
-                files.append(FileInfo.model_validate(entry))
-            except ValueError:
-                continue  # a forged entry: the runner's words are not trusted
+        try:
+            files = _checked_listing(reply)
+        except ValueError as exc:  # the supervisor never sends one: the container is not to be believed
+            log.warning("session %s sent a listing that breaks the rules (%s); ending it", session_id, exc)
+            await container.kill("killed")
+            raise _file_error(session, "", SessionGone("killed")) from None
         files.sort(key=lambda f: f.path.encode())
         return FileList(files=files)
 
@@ -621,3 +622,26 @@ def _response(session_id: str, execution_id: str, outcome: CallOutcome, queued_m
 
 
 __all__ = ["SessionLimits", "Sessions"]
+
+
+_MAX_LISTED = 10_000  # as runner/supervisor.js
+
+
+def _checked_listing(reply: dict[str, Any]) -> list[FileInfo]:
+    """The files of a listing reply; ValueError when any part breaks the rules (types, count, paths)."""
+    entries = reply.get("files")
+    if not isinstance(entries, list) or len(entries) > _MAX_LISTED:
+        raise ValueError("files is not a list of at most 10,000 entries")
+    files = []
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) != {"path", "size", "modified_at"}:
+            raise ValueError("an entry that is not {path, size, modified_at}")
+        path, size = entry["path"], entry["size"]
+        if not isinstance(path, str) or type(size) is not int or not 0 <= size < 1 << 53:
+            raise ValueError("an entry's path or size has the wrong type")
+        try:
+            checked_path(path)
+        except RequestRefused as exc:
+            raise ValueError(f"a path that breaks the rules: {exc}") from None
+        files.append(FileInfo.model_validate(entry))
+    return files

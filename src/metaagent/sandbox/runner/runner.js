@@ -12,7 +12,9 @@
 // for EOF.
 //
 // A session's header is {"session": true, ...} (with the same egress fields, and no code or stdin):
-// the runner then stays, and reads the session's requests from stdin (session.js).
+// the runner then becomes the session's supervisor (supervisor.js), which starts this same runner again
+// as its child with {"session": true, "program": true, ...}: that one runs the session's program
+// (session.js), and no user code ever runs in the supervisor.
 //
 // Everything the runner and the gate use once user code runs is captured while this file and the ones
 // it requires load, before any payload byte is read: user code can replace globals and prototypes, but
@@ -26,11 +28,13 @@ const stdio = require('./stdio.js');
 const gate = require('./gate.js');
 // Egress through the execution's tunnel: it captures net and tls, which the gate refuses to user code.
 const egress = require('./egress.js');
-// The session loop (session.js; it loads fsgate.js and await.js when a session starts).
+// The session's program loop (session.js; it loads fsgate.js and await.js when a session starts).
 const session = require('./session.js');
+// The session's supervisor (supervisor.js): the wire, the workspace's files, the program's output.
+const supervisor = require('./supervisor.js');
 // Out of the CommonJS cache at once: require.cache leads to nothing of the runner's (as for the gate).
 delete Module._cache[require.resolve('./egress.js')];
-for (const file of ['./stdio.js', './session.js']) delete Module._cache[require.resolve(file)];
+for (const file of ['./stdio.js', './session.js', './supervisor.js']) delete Module._cache[require.resolve(file)];
 
 const processExit = process.exit.bind(process);
 const jsonParse = JSON.parse;
@@ -44,6 +48,7 @@ const READ_CHUNK = 65536;
 const EXIT_BAD_PAYLOAD = 70; // EX_SOFTWARE: tells the host the runner, not the user's code, gave up.
 const COUNT_FIELDS = ['code_bytes', 'stdin_bytes', 'extra_ca_bytes'];
 const SESSION_FIELD = 'session';
+const PROGRAM_FIELD = 'program';
 const EGRESS_FIELDS = ['egress_socket', 'egress_max_tunnels', 'extra_ca_bytes'];
 const EGRESS_SOCKET_DIR = '/run/metaagent/';
 
@@ -63,12 +68,15 @@ function parseHeader(line) {
     return badPayload('header is not a JSON object');
   }
   for (const key of Object.keys(header)) {
-    if (key !== 'code_bytes' && key !== 'stdin_bytes' && key !== SESSION_FIELD && !EGRESS_FIELDS.includes(key)) {
+    if (key !== 'code_bytes' && key !== 'stdin_bytes' && key !== SESSION_FIELD && key !== PROGRAM_FIELD
+      && !EGRESS_FIELDS.includes(key)) {
       return badPayload(`unknown header field ${key}`);
     }
   }
   const isSession = header[SESSION_FIELD] === true;
   if (SESSION_FIELD in header && !isSession) return badPayload('session must be true when given');
+  const isProgram = header[PROGRAM_FIELD] === true;
+  if (PROGRAM_FIELD in header && !(isProgram && isSession)) return badPayload('program must be true, in a session');
   for (const key of COUNT_FIELDS) {
     if (key === 'extra_ca_bytes' && !('egress_socket' in header)) continue;
     if (isSession && key !== 'extra_ca_bytes') {
@@ -92,6 +100,7 @@ function parseHeader(line) {
   }
   return {
     session: isSession,
+    program: isProgram,
     codeBytes: isSession ? 0 : header.code_bytes,
     stdinBytes: isSession ? 0 : header.stdin_bytes,
     extraCaBytes: egressConfig === null ? 0 : header.extra_ca_bytes,
@@ -100,7 +109,7 @@ function parseHeader(line) {
 }
 
 // Reads header, code, stdin and extra CAs from the real stdin, blocking (a warm runner waits here, idle,
-// for its payload). Returns {session, code, input, egress, rest}; egress is null, or {socketPath, maxTunnels,
+// for its payload). Returns {session, program, code, input, egress, rest}; egress is null, or {socketPath, maxTunnels,
 // extraCa}; rest holds the bytes read past the payload (a session's first requests).
 function readPayload() {
   let pending = Buffer.alloc(0); // bytes received up to the end of the header line
@@ -136,7 +145,7 @@ function readPayload() {
   if (header.egress !== null) {
     egressConfig = { ...header.egress, extraCa: body.subarray(stdinEnd, total).toString('ascii') };
   }
-  return { session: header.session, code, input, egress: egressConfig, rest };
+  return { session: header.session, program: header.program, code, input, egress: egressConfig, rest };
 }
 
 // EGRESS: with network, node's http, https and fetch go through the execution's tunnel (egress.js).
@@ -170,9 +179,26 @@ function runUserModule(code) {
 // The same bytes are RUNNER_READY in sandbox/execute.py.
 stdio.writeStderr('metaagent-runner: ready\n');
 
+// The header that starts a session's program: the session's own, in the program's role.
+function programHeader(egressConfig) {
+  const header = { session: true, program: true };
+  let extraCa = Buffer.alloc(0);
+  if (egressConfig !== null) {
+    extraCa = Buffer.from(egressConfig.extraCa, 'ascii');
+    header.egress_socket = egressConfig.socketPath;
+    header.egress_max_tunnels = egressConfig.maxTunnels;
+    header.extra_ca_bytes = extraCa.length;
+  }
+  return Buffer.concat([Buffer.from(`${JSON.stringify(header)}\n`, 'utf8'), extraCa]);
+}
+
 const payload = readPayload();
 // A fresh macrotask, so the user's stack traces do not start inside the runner.
 defer(() => {
+  if (payload.session && !payload.program) {
+    supervisor.runSupervisor({ stdio, programHeader: programHeader(payload.egress), initial: payload.rest });
+    return;
+  }
   if (payload.egress !== null) installEgress(payload.egress);
   const unixSockets = payload.egress === null ? [] : [payload.egress.socketPath];
   if (payload.session) {

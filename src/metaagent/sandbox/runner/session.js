@@ -1,32 +1,21 @@
 'use strict';
-// metaagent session runner: one long-lived program context and its workspace, driven by requests on
-// stdin, behind the same module gate as a one-shot run.
+// metaagent session program: the untrusted half of a session container. One long-lived program context
+// behind the same module gate as a one-shot run, in a child of the session's supervisor
+// (supervisor.js), which owns the wire to the service and the workspace's file service.
 //
-// Frames, both ways: one type byte, a 32-bit big-endian length, then that many bytes.
-//
-//   service -> runner (stdin)                    runner -> service (stdout)
-//   x {id, code}       run code                  o <bytes>   the program's stdout
-//   p {id, path}       start writing a file      e <bytes>   the program's stderr
-//   d <bytes>          a piece of it             r {id, ...} the answer to a request
-//   z {id}             the end of it             f {id, size, modified_at}  a file follows
-//   a {id}             abandon it                d <bytes>   a piece of it
-//   g {id, path}       read a file               z {id}      the end of it
-//   l {id}             list the files
-//   D {id, path}       delete a file
+// Its fds are pipes to the supervisor and nothing else: calls come on fd 0 as `x {id, code}` frames (the
+// id a token the supervisor made for the call)
+// (one type byte, a 32-bit big-endian length, the JSON), answers leave on fd 3 as `r {id, status,
+// result, result_bytes}` frames, and the program's stdout and stderr are its fds 1 and 2, raw. The
+// program can write anything anywhere it reaches: the supervisor checks every answer and frames every
+// output byte itself, so a forged frame is only ever output, or a broken answer that ends this process.
 //
 // An interrupt is SIGINT: it stops the call that runs (a synchronous loop included, through vm's
 // breakOnSigint, or an await that has not settled) and the session lives on, as after Ctrl-C in the
 // Node.js REPL.
-//
-// The program shares this process, so it can write anything to fd 1, frames included, and read fd 0.
-// That can only confuse its own session: the service validates every frame and trusts no size, path or
-// id in one. The file requests never go through the program's fs: they use the fs captured here, check
-// each path component with lstat, never follow a link and open with O_NOFOLLOW.
 
 const fs = require('fs');
-const pathModule = require('path');
 const util = require('util');
-const crypto = require('crypto');
 const Module = require('module');
 const { Buffer } = require('buffer');
 
@@ -40,14 +29,8 @@ const processChdir = process.chdir;
 const BufferAlloc = Buffer.alloc;
 const BufferConcat = Buffer.concat;
 const BufferFrom = Buffer.from;
-const BufferByteLength = Buffer.byteLength;
 const StringPrototypeIncludes = String.prototype.includes;
 const fsRead = fs.read;
-const { constants } = fs;
-const { S_IFMT, S_IFDIR, S_IFREG } = constants;
-// Stats' methods are on a class the program can reach (fs.Stats): the mode bits are read instead.
-const isFolder = (stat) => (stat.mode & S_IFMT) === S_IFDIR;
-const isRegular = (stat) => (stat.mode & S_IFMT) === S_IFREG;
 
 const WORKSPACE = '/workspace';
 const ROOTS = [WORKSPACE, '/tmp'];
@@ -55,10 +38,8 @@ const SESSION_FILENAME = '/app/session.js';
 const HEADER = 5;
 const MAX_INPUT_FRAME = 2 * 1024 * 1024; // a call's code (1 MiB) in JSON, with room
 const CHUNK = 64 * 1024;
+const ANSWERS = 3; // the pipe of the answers to the supervisor
 const MAX_RESULT_BYTES = 64 * 1024; // the service keeps 50 KiB of it
-const MAX_LISTED = 10000;
-const MAX_DEPTH = 64;
-const PART_SUFFIX = '.metaagent-part';
 const EXIT_BAD_FRAME = 70;
 
 function frame(type, payload) {
@@ -80,14 +61,13 @@ function loadSessionParts() {
 
 function runSession({ stdio, gate, initial, unixSockets }) {
   const { processTopLevelAwait, createFsGate } = loadSessionParts();
-  const send = (type, payload) => stdio.writeAll(stdio.STDOUT, frame(type, payload));
-  const reply = (message) => send('r', BufferFrom(JSONStringify(message), 'utf8'));
-  const framedWrite = (fd, bytes) => send(fd === stdio.STDERR ? 'e' : 'o', bytes);
+  const reply = (message) => stdio.writeAll(ANSWERS, frame('r', BufferFrom(JSONStringify(message), 'utf8')));
+  const rawWrite = (fd, bytes) => stdio.writeAll(fd, bytes);
 
   // The workspace is the cwd (with WorkingDir, the cwd would be the folder below the tmpfs).
   ReflectApply(processChdir, process, [WORKSPACE]);
-  const files = createFsGate(ROOTS, { write: framedWrite });
-  stdio.install(BufferAlloc(0), framedWrite);
+  const files = createFsGate(ROOTS, { write: rawWrite });
+  stdio.install(BufferAlloc(0), rawWrite);
   gate.install({ unixSockets, builtins: { fs: files.fs, 'fs/promises': files.promises }, chdir: files.chdir });
 
   // What a session's code sees as require, module and exports: those of a module in /app, so that
@@ -114,7 +94,7 @@ function runSession({ stdio, gate, initial, unixSockets }) {
     } catch {
       text = '[an error that cannot be shown]';
     }
-    framedWrite(stdio.STDERR, BufferFrom(`Uncaught ${text}\n`, 'utf8'));
+    rawWrite(stdio.STDERR, BufferFrom(`Uncaught ${text}\n`, 'utf8'));
   };
   // As in the REPL: an error thrown later (by a timer, a rejected promise nobody awaited) is printed and
   // the session lives on. (A program that removes these listeners ends its own session when it throws.)
@@ -186,218 +166,16 @@ function runSession({ stdio, gate, initial, unixSockets }) {
     }
   }
 
-  // --- file requests: the captured fs, each component checked with lstat ---
-
-  let upload = null; // {id, fd, part, target, size}
-
-  function fileError(id, kind, message) {
-    reply({ id, status: 'error', error: kind, message });
-  }
-
-  // The components of a workspace path, or null when the path breaks the rules (the service checked
-  // them already; this is depth).
-  function components(path) {
-    if (typeof path !== 'string' || path.length === 0 || BufferByteLength(path) > 1024) return null;
-    const parts = path.split('/');
-    for (const part of parts) {
-      if (part === '' || part === '.' || part === '..' || BufferByteLength(part) > 255) return null;
-      for (let i = 0; i < part.length; i++) {
-        const c = part.charCodeAt(i);
-        if (c < 0x20 || (c >= 0x7f && c <= 0x9f)) return null;
-      }
-    }
-    return parts;
-  }
-
-  // Walks to the folder holding the last component; creates missing folders with `create`. Returns the
-  // folder's path, or a {kind, message} failure. Never passes a symbolic link.
-  function folderOf(parts, create) {
-    let folder = WORKSPACE;
-    for (let i = 0; i < parts.length - 1; i++) {
-      folder = `${folder}/${parts[i]}`;
-      let stat;
-      try {
-        stat = fs.lstatSync(folder);
-      } catch (error) {
-        if (error.code !== 'ENOENT') return { kind: 'failed', message: error.message };
-        if (!create) return { kind: 'not_found', message: `${parts.slice(0, i + 1).join('/')} does not exist` };
-        try {
-          fs.mkdirSync(folder, { mode: 0o755 });
-          continue;
-        } catch (mkdirError) {
-          return { kind: mkdirError.code === 'ENOSPC' ? 'full' : 'failed', message: mkdirError.message };
-        }
-      }
-      if (!isFolder(stat)) {
-        return { kind: create ? 'not_a_folder' : 'not_found', message: `${parts.slice(0, i + 1).join('/')} is not a folder` };
-      }
-    }
-    return { folder };
-  }
-
-  function startUpload(id, path) {
-    const parts = components(path);
-    if (parts === null) return fileError(id, 'bad_path', 'the path breaks the rules');
-    const place = folderOf(parts, true);
-    if (place.kind) return fileError(id, place.kind, place.message);
-    const target = `${place.folder}/${parts[parts.length - 1]}`;
-    try {
-      if (isFolder(fs.lstatSync(target))) return fileError(id, 'is_folder', `${path} is a folder`);
-    } catch (error) {
-      if (error.code !== 'ENOENT') return fileError(id, 'failed', error.message);
-    }
-    const part = `${place.folder}/.${crypto.randomBytes(8).toString('hex')}${PART_SUFFIX}`;
-    let fd;
-    try {
-      fd = fs.openSync(part, constants.O_WRONLY | constants.O_CREAT | constants.O_EXCL | constants.O_NOFOLLOW, 0o644);
-    } catch (error) {
-      return fileError(id, error.code === 'ENOSPC' ? 'full' : 'failed', error.message);
-    }
-    upload = { id, fd, part, target, size: 0, failure: null };
-    return undefined;
-  }
-
-  function dropUpload() {
-    if (upload === null) return;
-    try { fs.closeSync(upload.fd); } catch { /* closed already */ }
-    try { fs.unlinkSync(upload.part); } catch { /* gone already */ }
-    upload = null;
-  }
-
-  function uploadData(bytes) {
-    if (upload === null || upload.failure !== null) return;
-    try {
-      let offset = 0;
-      while (offset < bytes.length) offset += fs.writeSync(upload.fd, bytes, offset, bytes.length - offset);
-      upload.size += bytes.length;
-    } catch (error) {
-      upload.failure = { kind: error.code === 'ENOSPC' ? 'full' : 'failed', message: error.message };
-    }
-  }
-
-  function endUpload(id) {
-    if (upload === null || upload.id !== id) return undefined;
-    const { failure, size } = upload;
-    if (failure !== null) {
-      dropUpload();
-      return fileError(id, failure.kind, failure.message);
-    }
-    try {
-      fs.closeSync(upload.fd);
-      fs.renameSync(upload.part, upload.target);
-    } catch (error) {
-      dropUpload();
-      return fileError(id, error.code === 'ENOSPC' ? 'full' : 'failed', error.message);
-    }
-    upload = null;
-    return reply({ id, status: 'ok', size });
-  }
-
-  function openRegular(id, path) {
-    const parts = components(path);
-    if (parts === null) return fileError(id, 'bad_path', 'the path breaks the rules');
-    const place = folderOf(parts, false);
-    if (place.kind) return fileError(id, place.kind === 'not_a_folder' ? 'not_found' : place.kind, place.message);
-    const target = `${place.folder}/${parts[parts.length - 1]}`;
-    let fd;
-    try {
-      // O_NONBLOCK: a FIFO made by the program would otherwise block the open.
-      fd = fs.openSync(target, constants.O_RDONLY | constants.O_NOFOLLOW | constants.O_NONBLOCK);
-    } catch (error) {
-      return fileError(id, 'not_found', `${path} is not a file (${error.code})`);
-    }
-    const stat = fs.fstatSync(fd);
-    if (!isRegular(stat)) {
-      fs.closeSync(fd);
-      return fileError(id, 'not_found', `${path} is not a regular file`);
-    }
-    return { fd, stat, target };
-  }
-
-  function download(id, path) {
-    const opened = openRegular(id, path);
-    if (opened === undefined || opened.fd === undefined) return;
-    const { fd, stat } = opened;
-    try {
-      // Exactly the size it had when opened: a file the program grows meanwhile ends there.
-      send('f', BufferFrom(JSONStringify({ id, size: stat.size, modified_at: stat.mtime.toISOString() }), 'utf8'));
-      const buffer = BufferAlloc(CHUNK);
-      let left = stat.size;
-      while (left > 0) {
-        const size = fs.readSync(fd, buffer, 0, Math.min(CHUNK, left), null);
-        if (size === 0) break;
-        send('d', buffer.subarray(0, size));
-        left -= size;
-      }
-      send('z', BufferFrom(JSONStringify({ id, sent: stat.size - left }), 'utf8'));
-    } finally {
-      fs.closeSync(fd);
-    }
-  }
-
-  function remove(id, path) {
-    const opened = openRegular(id, path);
-    if (opened === undefined || opened.fd === undefined) return;
-    fs.closeSync(opened.fd);
-    try {
-      fs.unlinkSync(opened.target);
-    } catch (error) {
-      fileError(id, 'failed', error.message);
-      return;
-    }
-    reply({ id, status: 'ok' });
-  }
-
-  function list(id) {
-    const found = [];
-    let truncated = false;
-    const visit = (folder, relative, depth) => {
-      let names;
-      try {
-        names = fs.readdirSync(folder);
-      } catch {
-        return;
-      }
-      for (const name of names) {
-        if (found.length >= MAX_LISTED) {
-          truncated = true;
-          return;
-        }
-        if (name.endsWith(PART_SUFFIX)) continue;
-        const path = `${folder}/${name}`;
-        let stat;
-        try {
-          stat = fs.lstatSync(path);
-        } catch {
-          continue;
-        }
-        const shown = relative === '' ? name : `${relative}/${name}`;
-        if (isFolder(stat) && depth < MAX_DEPTH) visit(path, shown, depth + 1);
-        else if (isRegular(stat)) found.push({ path: shown, size: stat.size, modified_at: stat.mtime.toISOString() });
-      }
-    };
-    visit(WORKSPACE, '', 0);
-    reply({ id, status: 'ok', files: found, truncated });
-  }
-
   // --- the request loop ---
 
   function handle(type, payload) {
-    if (type === 'd') return uploadData(payload);
     let request;
     try {
       request = JSONParse(payload.toString('utf8'));
     } catch {
       return badFrame('a request is not JSON');
     }
-    const { id } = request;
-    if (type === 'x') return execute(id, request.code);
-    if (type === 'p') return startUpload(id, request.path);
-    if (type === 'z') return endUpload(id);
-    if (type === 'a') return dropUpload();
-    if (type === 'g') return download(id, request.path);
-    if (type === 'l') return list(id);
-    if (type === 'D') return remove(id, request.path);
+    if (type === 'x') return execute(request.id, request.code);
     return badFrame(`unknown request type ${JSONStringify(type)}`);
   }
 
@@ -424,7 +202,7 @@ function runSession({ stdio, gate, initial, unixSockets }) {
   function readMore() {
     ReflectApply(fsRead, fs, [0, readBuffer, 0, CHUNK, null, (error, size) => {
       if (error && error.code === 'EAGAIN') return setTimeout(readMore, 5);
-      if (error || size === 0) process.exit(0); // the service closed the session's stdin
+      if (error || size === 0) process.exit(0); // the supervisor closed the program's stdin
       pending = BufferConcat([pending, readBuffer.subarray(0, size)]);
       consume();
       return readMore();
