@@ -10,10 +10,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from metaagent import __version__
+from metaagent.api.body import StrictJsonRoute
 from metaagent.api.deps import services
 from metaagent.sandbox.engine import Engine, EngineUnavailable
 
-router = APIRouter(tags=["service"])
+router = APIRouter(tags=["service"], route_class=StrictJsonRoute)
 
 
 @router.get("/health", summary="Liveness and the state of each dependency")
