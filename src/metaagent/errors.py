@@ -7,6 +7,7 @@
     │   ├── EgressRefused                a URL, scheme or address the egress policy forbids
     │   │   └── HostBlocked              the host is not on the allow-list ("Blocked host: <host>")
     │   └── PackageRefused               an npm package the package policy forbids
+    ├── Forbidden                        403: the caller's key may not see this (an operator's may)
     ├── InvalidRequest                   422: a request body that is not strict JSON (names the field)
     ├── NotFound                         404
     ├── Gone                             410: a session that has ended (its `reason` says how)
@@ -87,6 +88,10 @@ class HostBlocked(EgressRefused):
 
 class PackageRefused(RequestRefused):
     pass
+
+
+class Forbidden(MetaAgentError):
+    status_code = 403
 
 
 class InvalidRequest(MetaAgentError):
