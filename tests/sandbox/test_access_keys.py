@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from tests.sandbox.conftest import RUNTIME_UNDER_TEST
 from tests.test_access import ALICE, BOB, BOB_ID, KEYS
 from tests.test_cli import serving
 
@@ -93,6 +94,8 @@ def test_a_session_call_through_code_interpreter_is_a_session_call_for_every_lim
     long_run = {"code": "console.log('up'); setInterval(() => {}, 1000)", "timeout_s": 60}
     answers: list[httpx2.Response] = []
     env = {"METAAGENT_API_KEYS": KEYS, "METAAGENT_MAX_EXECUTIONS_PER_KEY": "1", "METAAGENT_POOL_ENABLED": "false"}
+    if RUNTIME_UNDER_TEST:
+        env["METAAGENT_SANDBOX_RUNTIME"] = RUNTIME_UNDER_TEST
     with serving(tmp_path, **env) as (base, _process):
         created = httpx2.post(f"{base}/sessions", json={"memory_mb": 128}, headers=bearer(ALICE), timeout=180)
         assert created.status_code == 201, created.text
