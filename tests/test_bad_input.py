@@ -274,3 +274,13 @@ def test_a_huge_integer_is_refused_over_real_http_by_name_not_as_a_400(live_serv
             "send a number within the field's range",
         }
     ]
+
+
+async def test_a_content_length_of_5000_digits_is_a_413_not_a_500(service: ServiceFactory) -> None:
+    """Python will not turn more than 4300 digits into an int: the limit check must not try."""
+    async with service(max_request_body_bytes=LIMIT) as client:
+        response = await client.post(
+            "/tools/http", content=b"{}", headers={"Content-Type": "application/json", "Content-Length": "9" * 5000}
+        )
+    assert response.status_code == 413
+    assert response.json()["error"].startswith("Request body too large")
