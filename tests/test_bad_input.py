@@ -284,3 +284,23 @@ async def test_a_content_length_of_5000_digits_is_a_413_not_a_500(service: Servi
         )
     assert response.status_code == 413
     assert response.json()["error"].startswith("Request body too large")
+
+
+async def test_a_repeated_key_that_cannot_be_encoded_or_is_huge_is_still_a_422_naming_it(
+    service: ServiceFactory,
+) -> None:
+    huge = b"k" * 200_000
+    async with service() as client:
+        surrogate = await client.post(
+            "/tools/http", content=b'{"\\udfff": 1, "\\udfff": 2}', headers={"Content-Type": "application/json"}
+        )
+        long_key = await client.post(
+            "/tools/http",
+            content=b'{"' + huge + b'": 1, "' + huge + b'": 2}',
+            headers={"Content-Type": "application/json"},
+        )
+    assert surrogate.status_code == 422
+    assert surrogate.json()["details"][0]["field"] == "\udfff"  # quoted back as its JSON escape
+    assert long_key.status_code == 422
+    assert long_key.json()["details"][0]["field"] == "k" * 100 + "..."
+    assert len(long_key.content) < 2000

@@ -251,8 +251,10 @@ async def test_an_argument_is_checked_as_strictly_as_an_http_body(tmp_path: Path
             json.dumps({**INITIALIZE, "id": 12345}).replace("12345", "1" * 5000).encode(),
             "Invalid request: id: an integer",
         ),
+        (b'{"\\ud800": 1, "\\ud800": 2}', "Invalid request: \ud800: given twice"),  # quoted back, as its escape
+        (b'{"' + b"k" * 200_000 + b'": 1, "' + b"k" * 200_000 + b'": 2}', "Invalid request: " + "k" * 100 + "...: "),
     ],
-    ids=["duplicate", "utf16", "5000_digits"],
+    ids=["duplicate", "utf16", "5000_digits", "lone_surrogate_key", "long_key"],
 )
 def test_an_mcp_message_that_is_not_strict_json_is_a_parse_error_naming_the_field(
     live_service: str, body: bytes, phrase: str

@@ -38,6 +38,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from metaagent import __version__
 from metaagent.access import acting_as, caller_of
+from metaagent.api.errors import ErrorResponse
 from metaagent.errors import InvalidRequest, MetaAgentError, describe_validation_errors
 from metaagent.progress import with_progress
 from metaagent.request_json import read_request_json
@@ -231,7 +232,7 @@ class StreamableHttpEndpoint:
             await response(scope, receive, send)
 
 
-async def _strict_json_refusal(body: bytes) -> JSONResponse | None:
+async def _strict_json_refusal(body: bytes) -> ErrorResponse | None:
     """The answer to a body the strict decoder refuses: JSON-RPC's parse error, as the SDK answers its own."""
     if not body:
         return None
@@ -239,7 +240,7 @@ async def _strict_json_refusal(body: bytes) -> JSONResponse | None:
         await read_request_json(body)
     except InvalidRequest as exc:
         error = {"code": types.PARSE_ERROR, "message": exc.message}
-        return JSONResponse({"jsonrpc": "2.0", "id": None, "error": error}, status_code=400)
+        return ErrorResponse({"jsonrpc": "2.0", "id": None, "error": error}, status_code=400)
     return None
 
 

@@ -160,4 +160,9 @@ def _first_refusal(value: Any) -> tuple[str, str]:
 
 
 def _name(path: tuple[str | int, ...]) -> str:
-    return ".".join(str(part) for part in path) or "body"
+    """The path as the 422 names fields; a key of any length is shown by its first `_NAME_CHARS`."""
+    parts = (str(part) if len(str(part)) <= _NAME_CHARS else f"{str(part)[:_NAME_CHARS]}..." for part in path)
+    return ".".join(parts) or "body"
+
+
+_NAME_CHARS = 100
