@@ -210,7 +210,7 @@ class StreamableHttpEndpoint:
             return
         if scope["method"] == "POST":
             body, receive = await _buffered(receive)
-            refusal = await _strict_json_refusal(body)
+            refusal = await _strict_json_refusal(body) if body is not None else None
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
@@ -244,9 +244,11 @@ async def _strict_json_refusal(body: bytes) -> ErrorResponse | None:
     return None
 
 
-async def _buffered(receive: Receive) -> tuple[bytes, Receive]:
-    """The whole request body (bounded by `metaagent.body_limit`), and a `receive` that gives it again."""
+async def _buffered(receive: Receive) -> tuple[bytes | None, Receive]:
+    """The whole request body (bounded by `metaagent.body_limit`; None if the client left before it was
+    sent), and a `receive` that gives it, or the disconnect, again."""
     chunks: list[bytes] = []
+    body: bytes | None = None
     while True:
         message = await receive()
         if message["type"] != "http.request":  # the client left: the SDK sees the same
@@ -254,13 +256,14 @@ async def _buffered(receive: Receive) -> tuple[bytes, Receive]:
             break
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
-            replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+            body = b"".join(chunks)
+            replay = [{"type": "http.request", "body": body, "more_body": False}]
             break
 
     async def replaying() -> Message:
         return replay.pop() if replay else await receive()
 
-    return b"".join(chunks), replaying
+    return body, replaying
 
 
 def mount_mcp(
