@@ -16,6 +16,7 @@ from metaagent.access import ExecutionQuota, KeyRing, key_id
 from metaagent.app import create_app
 from metaagent.errors import AtCapacity, ConfigError
 from metaagent.tenancy import Caller
+from metaagent.tools.code_interpreter import Admission
 from tests.conftest import ServiceFactory, make_settings
 from tests.live_service import serving as serving_app
 from tests.test_cli import METAAGENT, clean_env, free_port, run, serving
@@ -118,6 +119,7 @@ async def test_health_is_open_for_probes_and_everything_else_opens_with_a_key(se
         )
         metrics = await client.get("/metrics", headers={"Authorization": f"Bearer {BOB}"})
     assert health.status_code == 200
+    assert set(health.json()) == {"status"}  # without a key, the status alone
     assert tools.status_code == 200
     assert [t["name"] for t in tools.json()["tools"]] == [
         "http",
@@ -128,7 +130,7 @@ async def test_health_is_open_for_probes_and_everything_else_opens_with_a_key(se
         "session_close",
     ]
     assert blocked.status_code == 400  # past the key check, stopped by the allow-list
-    assert metrics.status_code == 200
+    assert metrics.status_code == 403  # service-wide figures: an operator's key only
 
 
 async def test_a_service_without_keys_asks_for_none(service: ServiceFactory) -> None:
@@ -220,3 +222,62 @@ def test_serve_with_keys_listens_publicly_and_still_asks_for_a_key(tmp_path: Pat
         _, stderr = process.communicate(timeout=30)
     assert ALICE not in stderr
     assert "refused GET /tools from 127.0.0.1: no API key" in stderr
+
+
+OPS = "ops-4f1e9a7c2b8d0e6f3a5c"
+TENANT_KEYS = f"{KEYS},ops:{OPS}:admin"
+
+
+async def test_health_without_a_key_says_only_the_status_and_a_tenant_sees_no_service_wide_counts(
+    service: ServiceFactory,
+) -> None:
+    """The finding: without a key, /health showed the whole service's running and queued counts."""
+    async with service(api_keys=TENANT_KEYS) as client:
+        anonymous = await client.get("/health")
+        tenant = await client.get("/health", headers={"Authorization": f"Bearer {ALICE}"})
+        operator = await client.get("/health", headers={"Authorization": f"Bearer {OPS}"})
+        wrong = await client.get("/health", headers={"Authorization": f"Bearer {ALICE}x"})
+    assert anonymous.status_code == 200
+    assert set(anonymous.json()) == {"status"}
+    assert anonymous.json()["status"] == operator.json()["status"]
+
+    checks = tenant.json()["checks"]
+    assert set(checks) == set(operator.json()["checks"])  # every check, for every caller with a key
+    assert checks["executions"] == {"ok": True, "capacity": checks["executions"]["capacity"], "yours": 0}
+    assert not {"ready", "size", "served"} & set(checks["warm_pool"])  # they follow other tenants' demand
+    assert {"running", "queued"} <= set(operator.json()["checks"]["executions"])
+    assert {"ready", "size", "served"} <= set(operator.json()["checks"]["warm_pool"])
+    assert wrong.status_code == 401  # a key sent to /health is checked as anywhere else
+
+
+async def test_a_service_without_keys_shows_its_one_caller_every_figure(service: ServiceFactory) -> None:
+    async with service() as client:
+        health = await client.get("/health")
+        metrics = await client.get("/metrics")
+    assert {"running", "queued"} <= set(health.json()["checks"]["executions"])
+    assert metrics.status_code == 200
+
+
+async def test_metrics_needs_an_operators_key(service: ServiceFactory) -> None:
+    """The finding: every key read the whole service's /metrics."""
+    async with service(api_keys=TENANT_KEYS) as client:
+        tenant = await client.get("/metrics", headers={"Authorization": f"Bearer {ALICE}"})
+        operator = await client.get("/metrics", headers={"Authorization": f"Bearer {OPS}"})
+    assert tenant.status_code == 403
+    assert tenant.json()["error"].startswith("GET /metrics shows the whole service's figures")
+    assert "metaagent_executions" not in tenant.text
+    assert operator.status_code == 200
+    assert "metaagent_executions_running" in operator.text
+
+
+async def test_a_429_at_capacity_gives_no_count_of_other_tenants_work() -> None:
+    """The finding: 'At capacity: 4 executions running and 32 queued' told a tenant the service's load."""
+    admission = Admission(capacity=3, queue_size=0)
+    async with admission.slot(), admission.slot(), admission.slot():
+        with pytest.raises(AtCapacity) as caught:
+            async with admission.slot():
+                pass
+    assert caught.value.message == (
+        "At capacity: every execution slot of the service is busy and its queue "
+        "(METAAGENT_EXECUTION_QUEUE_SIZE) is full; retry shortly"
+    )

@@ -24,9 +24,28 @@ BAD_BODIES = [
         "invalid_utf8",
         b'{"url": "\xff\xfe", "code": "\xc3\x28", "q": "\xff", "input": "\xff"}',
         "application/json",
-        400,
-        "not valid UTF-8",
+        422,
+        "body: not valid UTF-8",
     ),
+    ("utf16_with_bom", '{"url": "https://x.example"}'.encode("utf-16"), "application/json", 422, "body: starts with"),
+    ("utf16", '{"url": "https://x.example"}'.encode("utf-16-le"), "application/json", 422, "body: encoded as UTF-16"),
+    ("utf32", '{"url": "https://x.example"}'.encode("utf-32-be"), "application/json", 422, "body: encoded as UTF-32"),
+    ("utf8_bom", b'\xef\xbb\xbf{"url": "https://x.example"}', "application/json", 422, "a UTF-8 byte order mark"),
+    (
+        "duplicate_key",
+        b'{"url": "https://a.example", "url": "https://b.example"}',
+        "application/json",
+        422,
+        "url: given twice",
+    ),
+    (
+        "huge_integer",
+        b'{"timeout_s": ' + b"9" * 5000 + b"}",
+        "application/json",
+        422,
+        "timeout_s: an integer of 5000 digits",
+    ),
+    ("nan", b'{"timeout_s": NaN}', "application/json", 422, "timeout_s: NaN is not a JSON number"),
     (
         "wrong_types",
         b'{"url": 5, "code": 5, "q": 5, "input": 5, "timeout_s": "soon"}',
@@ -51,7 +70,13 @@ BAD_BODIES = [
         422,
         "body: Input should be a valid dictionary",
     ),
-    ("deeply_nested", b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "nests arrays or objects too deeply"),
+    (
+        "deeply_nested",
+        b"[" * 100_000 + b"]" * 100_000,
+        "application/json",
+        422,
+        "body: nests arrays or objects too deeply",
+    ),
 ]
 
 
@@ -143,3 +168,139 @@ def test_a_lone_surrogate_in_packages_or_network_allow_is_a_422_naming_the_field
     assert response.status_code == 422, response.text
     assert response.json()["details"][0]["field"].startswith(field)
     assert "lone UTF-16 surrogate" in response.json()["error"]
+
+
+def _json_routes() -> list[tuple[str, str]]:
+    """Every route that takes a JSON body, from the OpenAPI description (path parameters filled in)."""
+    schema = create_app(make_settings(Path("/nonexistent"))).openapi()
+    found = []
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            if "application/json" in operation.get("requestBody", {}).get("content", {}):
+                found.append((method.upper(), path.replace("{session_id}", "ses_x")))
+    return found
+
+
+JSON_ROUTES = _json_routes()
+
+
+def test_the_json_routes_include_every_tool_and_the_session_calls() -> None:
+    assert {path for _, path in JSON_ROUTES} >= {*TOOL_PATHS, "/sessions", "/sessions/ses_x/execute"}
+
+
+@pytest.mark.parametrize(("method", "path"), JSON_ROUTES)
+@pytest.mark.parametrize(
+    ("body", "field", "phrase"),
+    [
+        (b'{"code": "1", "code": "2"}', "code", "given twice"),
+        (b'{"network": {"allow": ["a.example"], "allow": []}}', "network.allow", "given twice"),
+        ('{"code": "1"}'.encode("utf-16-le"), "body", "encoded as UTF-16"),
+        ('{"code": "1"}'.encode("utf-32"), "body", "UTF-32 byte order mark"),
+        (b'{"timeout_s": 1' + b"0" * 4999 + b"}", "timeout_s", "an integer of 5000 digits is out of range"),
+        (b'{"timeout_s": -Infinity}', "timeout_s", "not a JSON number"),
+        (b'{"timeout_s": 1e400}', "timeout_s", "too large to represent"),
+        (b"null", "body", "not null"),
+    ],
+    ids=["duplicate", "nested_duplicate", "utf16", "utf32", "5000_digits", "infinity", "overflow", "null"],
+)
+async def test_every_json_route_refuses_a_body_that_is_not_strict_json_with_a_422_naming_the_field(
+    service: ServiceFactory, method: str, path: str, body: bytes, field: str, phrase: str
+) -> None:
+    async with service() as client:
+        response = await client.request(method, path, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert response.json()["details"][0]["field"] == field, response.text
+    assert phrase in response.json()["details"][0]["message"]
+    assert response.json()["error"].startswith(f"Invalid request: {field}: ")
+
+
+# (route, a valid body but for the integer field, that field)
+INTEGER_FIELDS = [
+    ("/tools/code-interpreter", {"code": "1"}, "timeout_s"),
+    ("/tools/code-interpreter", {"code": "1"}, "memory_mb"),
+    ("/tools/search", {"q": "a"}, "num"),
+    ("/tools/embeddings", {"input": "a"}, "dimensions"),
+    ("/sessions", {}, "memory_mb"),
+    ("/sessions", {}, "idle_timeout_s"),
+    ("/sessions/ses_x/execute", {"code": "1"}, "timeout_s"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), INTEGER_FIELDS)
+@pytest.mark.parametrize("value", [True, False, "5", 5.5, "1" * 5000], ids=["true", "false", "text", "float", "digits"])
+async def test_an_integer_field_takes_no_boolean_string_or_fraction(
+    service: ServiceFactory, path: str, body: dict[str, object], field: str, value: object
+) -> None:
+    """The finding: `timeout_s: true` and `"5"` ran, as 1 and 5."""
+    async with service() as client:
+        response = await client.post(path, json={**body, field: value})
+    assert response.status_code == 422, response.text
+    assert response.json()["details"][0]["field"] == field
+    assert response.json()["error"].startswith(f"Invalid request: {field}: Input should be a valid integer")
+
+
+async def test_a_number_field_still_takes_an_integer_but_no_boolean(service: ServiceFactory) -> None:
+    async with service() as client:
+        whole = await client.post("/tools/http", json={"url": "https://x.example/", "timeout_s": 5})
+        boolean = await client.post("/tools/http", json={"url": "https://x.example/", "timeout_s": True})
+    assert whole.status_code == 400  # read and validated, then blocked by the allow-list
+    assert whole.json()["error"] == "Blocked host: x.example"
+    assert boolean.status_code == 422
+    assert boolean.json()["error"].startswith("Invalid request: timeout_s: Input should be a valid number")
+
+
+async def test_post_sessions_with_the_body_null_is_a_422_and_creates_nothing(service: ServiceFactory) -> None:
+    async with service() as client:
+        response = await client.post("/sessions", content=b"null", headers={"Content-Type": "application/json"})
+        listed = await client.get("/sessions")
+    assert response.status_code == 422
+    assert response.json()["error"].startswith("Invalid request: body: Input should be a valid dictionary")
+    assert listed.json() == {"sessions": []}
+
+
+def test_a_huge_integer_is_refused_over_real_http_by_name_not_as_a_400(live_service: str) -> None:
+    """Python's int-from-text limit (4300 digits) raised inside the JSON parser, which answered 400."""
+    response = httpx2.post(
+        f"{live_service}/tools/http",
+        content=b'{"url": "https://x.example/", "timeout_s": ' + b"7" * 5000 + b"}",
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 422
+    assert response.json()["details"] == [
+        {
+            "field": "timeout_s",
+            "message": "an integer of 5000 digits is out of range (no field takes more than 32 digits); "
+            "send a number within the field's range",
+        }
+    ]
+
+
+async def test_a_content_length_of_5000_digits_is_a_413_not_a_500(service: ServiceFactory) -> None:
+    """Python will not turn more than 4300 digits into an int: the limit check must not try."""
+    async with service(max_request_body_bytes=LIMIT) as client:
+        response = await client.post(
+            "/tools/http", content=b"{}", headers={"Content-Type": "application/json", "Content-Length": "9" * 5000}
+        )
+    assert response.status_code == 413
+    assert response.json()["error"].startswith("Request body too large")
+
+
+async def test_a_repeated_key_that_cannot_be_encoded_or_is_huge_is_still_a_422_naming_it(
+    service: ServiceFactory,
+) -> None:
+    huge = b"k" * 200_000
+    async with service() as client:
+        surrogate = await client.post(
+            "/tools/http", content=b'{"\\udfff": 1, "\\udfff": 2}', headers={"Content-Type": "application/json"}
+        )
+        long_key = await client.post(
+            "/tools/http",
+            content=b'{"' + huge + b'": 1, "' + huge + b'": 2}',
+            headers={"Content-Type": "application/json"},
+        )
+    assert surrogate.status_code == 422
+    assert surrogate.json()["details"][0]["field"] == "\udfff"  # quoted back as its JSON escape
+    assert long_key.status_code == 422
+    assert long_key.json()["details"][0]["field"] == "k" * 100 + "..."
+    assert len(long_key.content) < 2000

@@ -228,3 +228,38 @@ async def test_mcp_answers_503_outside_the_lifespan(tmp_path: Path) -> None:
     async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1:3102") as client:
         response = await client.post("/mcp", json=INITIALIZE, headers=MCP_HEADERS)
     assert response.status_code == 503
+
+
+async def test_an_argument_is_checked_as_strictly_as_an_http_body(tmp_path: Path) -> None:
+    """The same request models, so `timeout_s: true` is no more a number over MCP than over HTTP."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with in_process(tmp_path, allow_http_hosts=LOCAL) as client:
+            boolean = await client.call_tool("http", {"url": "https://x.com", "timeout_s": True})
+            text = await client.call_tool("search", {"q": "a", "num": "5"})
+    assert boolean.is_error is True
+    assert text_of(boolean).startswith("Invalid request: timeout_s: Input should be a valid number")
+    assert text.is_error is True
+    assert text_of(text).startswith("Invalid request: num: Input should be a valid integer")
+
+
+@pytest.mark.parametrize(
+    ("body", "phrase"),
+    [
+        (json.dumps(INITIALIZE)[:-1].encode() + b', "id": 2}', "Invalid request: id: given twice"),
+        (json.dumps(INITIALIZE).encode("utf-16"), "Invalid request: body: starts with a UTF-16 byte order mark"),
+        (
+            json.dumps({**INITIALIZE, "id": 12345}).replace("12345", "1" * 5000).encode(),
+            "Invalid request: id: an integer",
+        ),
+        (b'{"\\ud800": 1, "\\ud800": 2}', "Invalid request: \ud800: given twice"),  # quoted back, as its escape
+        (b'{"' + b"k" * 200_000 + b'": 1, "' + b"k" * 200_000 + b'": 2}', "Invalid request: " + "k" * 100 + "...: "),
+    ],
+    ids=["duplicate", "utf16", "5000_digits", "lone_surrogate_key", "long_key"],
+)
+def test_an_mcp_message_that_is_not_strict_json_is_a_parse_error_naming_the_field(
+    live_service: str, body: bytes, phrase: str
+) -> None:
+    response = httpx2.post(f"{live_service}/mcp", content=body, headers=MCP_HEADERS, timeout=TIMEOUT_S)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == types.PARSE_ERROR
+    assert response.json()["error"]["message"].startswith(phrase)

@@ -32,3 +32,15 @@ def test_a_settings_error_never_repeats_a_secrets_value() -> None:
     message = describe_settings_error(raised.value)
     assert message.startswith("OPENAI_API_KEY: ")
     assert "12345678" not in message
+
+
+@pytest.mark.parametrize(
+    ("session_max", "per_key", "key_count", "share"),
+    [(4, None, 0, 4), (4, None, 1, 4), (4, None, 3, 1), (9, None, 2, 4), (4, None, 10, 1), (4, 3, 3, 3), (4, 9, 0, 9)],
+)
+def test_a_keys_default_session_share_is_an_equal_part_of_the_total_and_at_least_one(
+    session_max: int, per_key: int | None, key_count: int, share: int
+) -> None:
+    """The finding: the default was the whole METAAGENT_SESSION_MAX, so one key could hold every session."""
+    settings = Settings(_env_file=None, session_max=session_max, sessions_per_key=per_key)  # type: ignore[call-arg]  # pydantic-settings' init-only option
+    assert settings.effective_sessions_per_key(cpu_count=2, key_count=key_count) == share

@@ -9,8 +9,9 @@ hash in constant time. A key's id (`name`, or `key_` and the first 8 hex digits 
 audit records, logs and errors show: never the key.
 
 With keys, every path but `/health` needs `Authorization: Bearer <key>` (401 otherwise); `/health`
-stays open because load balancers and orchestrators probe it without credentials, and it holds no
-secret. Without keys there is no check, and `metaagent serve` listens only on loopback.
+stays open because load balancers and orchestrators probe it without credentials, and without a key it
+says only the status (`metaagent.api.health`); a key sent to it is checked as anywhere else, and its
+caller sees the checks. Without keys there is no check, and `metaagent serve` listens only on loopback.
 
 The caller found is put in the request's scope twice: under `CALLER_SCOPE_KEY` for the service, and as
 `scope["user"]` (the MCP SDK's `AuthenticatedUser`, named by the key id, never the key) so that the SDK
@@ -230,10 +231,13 @@ class RequireApiKey:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or not self.keys:
             await self.app(scope, receive, send)
             return
         presented = _bearer(scope)
+        if presented is None and scope["path"] in PUBLIC_PATHS:  # a probe: no caller, the public answer
+            await self.app(scope, receive, send)
+            return
         caller = self.keys.identify(presented) if presented else None
         if caller is None:
             await _unauthorized(scope, send, missing=presented is None)

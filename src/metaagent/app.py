@@ -37,6 +37,7 @@ __all__ = ["TOOLS", "create_app"]
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
+    keys = KeyRing.from_settings(settings)  # read once; only their hashes are kept
     config = Configuration(
         settings=settings,
         allowlist=AllowList.parse(settings.allow_http_hosts),
@@ -46,8 +47,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pool_limits=pool_limits(
             settings, cpu_count=os.cpu_count() or 1, host_mb=host_memory_mb(), container_mb=DEFAULT_MEMORY_MB
         ),
+        key_count=len(keys),
     )
-    keys = KeyRing.from_settings(settings)  # read once; only their hashes are kept
     check_registry(settings.npm_registry)
 
     @asynccontextmanager

@@ -77,5 +77,9 @@ class LimitRequestBody:
 def _content_length(scope: Scope) -> int | None:
     for name, value in scope["headers"]:
         if name == b"content-length" and value.isdigit():
-            return int(value)
+            # Past 18 digits it is past any limit; Python refuses to convert more than 4300 (ValueError).
+            return int(value) if len(value) <= _MAX_LENGTH_DIGITS else 10**_MAX_LENGTH_DIGITS
     return None
+
+
+_MAX_LENGTH_DIGITS = 18

@@ -27,7 +27,13 @@ async def _invoke_http(svc: Services, request: HttpRequest) -> HttpResponse:
 async def _run_code(
     svc: Services, request: CodeInterpreterRequest, sink: OutputSink | None = None
 ) -> CodeInterpreterResponse:
-    """One execution, buffered (no sink) or streamed to `sink`: the same path either way."""
+    """One execution, buffered (no sink) or streamed to `sink`: the same path either way.
+
+    With `session_id` it is a session call, exactly as POST /sessions/{id}/execute makes it: the session's
+    limits (its queue) and not the one-shot ones (the per-key execution quota, the execution metrics)."""
+    if request.session_id is not None:
+        call = SessionExecuteRequest(code=request.code, timeout_s=request.timeout_s)
+        return await svc.sessions.execute(request.session_id, call, current_tenant(), sink)
     return await metrics.observe_execution(_execute_as_caller(svc, request, sink))
 
 
@@ -36,9 +42,6 @@ async def _execute_as_caller(
 ) -> CodeInterpreterResponse:
     caller = current_caller()  # the API key's id, set by the access check
     with svc.execution_quota.hold(caller):
-        if request.session_id is not None:  # as POST /sessions/{id}/execute, with its answer
-            call = SessionExecuteRequest(code=request.code, timeout_s=request.timeout_s)
-            return await svc.sessions.execute(request.session_id, call, current_tenant(), sink)
         return await svc.interpreter(request, caller=caller, sink=sink)
 
 

@@ -7,6 +7,8 @@
     │   ├── EgressRefused                a URL, scheme or address the egress policy forbids
     │   │   └── HostBlocked              the host is not on the allow-list ("Blocked host: <host>")
     │   └── PackageRefused               an npm package the package policy forbids
+    ├── Forbidden                        403: the caller's key may not see this (an operator's may)
+    ├── InvalidRequest                   422: a request body that is not strict JSON (names the field)
     ├── NotFound                         404
     ├── Gone                             410: a session that has ended (its `reason` says how)
     ├── PayloadTooLarge                  413
@@ -86,6 +88,20 @@ class HostBlocked(EgressRefused):
 
 class PackageRefused(RequestRefused):
     pass
+
+
+class Forbidden(MetaAgentError):
+    status_code = 403
+
+
+class InvalidRequest(MetaAgentError):
+    """A 422 shaped as a model's validation failure: `{"error": "Invalid request: <field>: ...", "details"}`."""
+
+    status_code = 422
+
+    @classmethod
+    def for_field(cls, field: str, problem: str) -> InvalidRequest:
+        return cls(f"Invalid request: {field}: {problem}", details=[{"field": field, "message": problem}])
 
 
 class NotFound(MetaAgentError):

@@ -5,7 +5,10 @@ JSON Schema (the one `GET /tools` and OpenAPI show) and a call runs the very `To
 route runs, on the same `Services`. A result carries the response model as `structuredContent` and the
 same JSON as text; a refusal or failure (`MetaAgentError`) is a tool error (`isError`) with its message.
 A call of a streaming tool that carries a `progressToken` also sends its output as progress
-notifications (`metaagent.progress`); its result is the same.
+notifications (`metaagent.progress`); its result is the same. Each POST body at `/mcp` is read first by
+the service's strict JSON decoder (`metaagent.request_json`: UTF-8 only, no repeated key, no integer past
+its range), which answers a JSON-RPC parse error (HTTP 400, as the SDK answers its own) that names the
+field; the arguments then meet the tool's request model, strict as over HTTP.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ from mcp.shared.jsonrpc_dispatcher import progress_token_from_params
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from metaagent import __version__
 from metaagent.access import acting_as, caller_of
-from metaagent.errors import MetaAgentError, describe_validation_errors
+from metaagent.api.errors import ErrorResponse
+from metaagent.errors import InvalidRequest, MetaAgentError, describe_validation_errors
 from metaagent.progress import with_progress
+from metaagent.request_json import read_request_json
 from metaagent.services import Services
 from metaagent.tools import ToolSpec, inline_refs
 
@@ -203,6 +208,12 @@ class StreamableHttpEndpoint:
             response = JSONResponse({"error": "The MCP endpoint is not running"}, status_code=503)
             await response(scope, receive, send)
             return
+        if scope["method"] == "POST":
+            body, receive = await _buffered(receive)
+            refusal = await _strict_json_refusal(body) if body is not None else None
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
         try:
             await self.manager.handle_request(scope, receive, send)
         except _KeyShareExhausted as exc:
@@ -219,6 +230,40 @@ class StreamableHttpEndpoint:
                 headers={"Retry-After": "5"},
             )
             await response(scope, receive, send)
+
+
+async def _strict_json_refusal(body: bytes) -> ErrorResponse | None:
+    """The answer to a body the strict decoder refuses: JSON-RPC's parse error, as the SDK answers its own."""
+    if not body:
+        return None
+    try:
+        await read_request_json(body)
+    except InvalidRequest as exc:
+        error = {"code": types.PARSE_ERROR, "message": exc.message}
+        return ErrorResponse({"jsonrpc": "2.0", "id": None, "error": error}, status_code=400)
+    return None
+
+
+async def _buffered(receive: Receive) -> tuple[bytes | None, Receive]:
+    """The whole request body (bounded by `metaagent.body_limit`; None if the client left before it was
+    sent), and a `receive` that gives it, or the disconnect, again."""
+    chunks: list[bytes] = []
+    body: bytes | None = None
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left: the SDK sees the same
+            replay: list[Message] = [message]
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            body = b"".join(chunks)
+            replay = [{"type": "http.request", "body": body, "more_body": False}]
+            break
+
+    async def replaying() -> Message:
+        return replay.pop() if replay else await receive()
+
+    return body, replaying
 
 
 def mount_mcp(

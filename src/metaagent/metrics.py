@@ -1,4 +1,4 @@
-"""Prometheus metrics, served at `GET /metrics` (behind the API keys when keys are set).
+"""Prometheus metrics, served at `GET /metrics` (with API keys, to operator keys only: all are service-wide).
 
     metaagent_executions_total{outcome}          completed, failed (non-zero exit), timed_out, oom_killed,
                                                  killed, rejected (429), unavailable (503), refused (400),

@@ -54,6 +54,7 @@ class Configuration:
     extra_ca_pem: bytes
     runtime: RuntimeChoice
     pool_limits: PoolLimits
+    key_count: int = 0  # API keys configured (0: none, one local caller)
 
 
 @dataclass
@@ -171,7 +172,7 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         audit,
         SessionLimits(
             max_sessions=session_max,
-            per_key=settings.sessions_per_key or session_max,
+            per_key=settings.effective_sessions_per_key(cpu_count, config.key_count),
             queue_size=settings.session_queue,
             max_lifetime_s=settings.session_max_lifetime_s,
             max_file_bytes=settings.session_max_file_mb * MIB,

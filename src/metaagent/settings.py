@@ -87,9 +87,10 @@ class Settings(BaseSettings):
     pool_min: int | None = Field(default=None, ge=0, le=POOL_SIZE_MAX)
     pool_memory_mb: int | None = Field(default=None, ge=1, le=1024 * 1024)
 
-    # Sessions: how many may be open (None: 2 x the execution concurrency) and per key (None: no share
-    # beyond that), calls waiting per session, the lifetime cap, each container's /workspace tmpfs (every
-    # container has one, so that a warm container can serve a session), and the largest file upload.
+    # Sessions: how many may be open (None: 2 x the execution concurrency) and per key (None: an equal
+    # share of that among the API keys, at least 1; all of it without keys), calls waiting per session,
+    # the lifetime cap, each container's /workspace tmpfs (every container has one, so that a warm
+    # container can serve a session), and the largest file upload.
     session_max: int | None = Field(default=None, ge=1)
     sessions_per_key: int | None = Field(default=None, ge=1)
     session_queue: int = Field(default=8, ge=0)
@@ -147,6 +148,13 @@ class Settings(BaseSettings):
 
     def effective_session_max(self, cpu_count: int) -> int:
         return self.session_max if self.session_max is not None else 2 * self.effective_concurrency(cpu_count)
+
+    def effective_sessions_per_key(self, cpu_count: int, key_count: int) -> int:
+        """Sessions one key may hold: the setting, else an equal share of the total among the keys (at
+        least 1), so that no key can hold every session. Operator keys are held only to the total."""
+        if self.sessions_per_key is not None:
+            return self.sessions_per_key
+        return max(1, self.effective_session_max(cpu_count) // max(1, key_count))
 
     def effective_mcp_max_sessions(self, cpu_count: int) -> int:
         """MCP sessions at once: a few per execution the service can run or queue, so agents that hold a

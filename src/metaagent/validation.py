@@ -1,4 +1,8 @@
-"""What every tool's request model shares: unknown fields refused, and text that is well-formed Unicode.
+"""What every tool's request model shares: unknown fields refused, strict types, and well-formed Unicode.
+
+Types are strict (pydantic's strict mode): `true` or `"5"` is not an integer, `"true"` is not a boolean
+and `5` is not a string; a number field still takes an integer (`"timeout_s": 30` for a float). The body
+itself was read by `metaagent.request_json` (UTF-8 only, no repeated key, no integer past its range).
 
 JSON can carry a lone UTF-16 surrogate (`"\\udfff"`), and Python's parser hands it over as is; such a
 string cannot be encoded as UTF-8, so it would fail far from the boundary (a 500, or an audit record
@@ -38,7 +42,7 @@ def lone_surrogate_at(value: Any) -> str | None:
 class ToolRequest(BaseModel):
     """The base of every tool's request model."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @field_validator("*", mode="after")
     @classmethod

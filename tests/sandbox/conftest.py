@@ -73,13 +73,17 @@ def running_service(workdir: Path, **env: str) -> Iterator[Service]:
             [*METAAGENT, "serve", "--port", str(port)], cwd=workdir, env=environment, stderr=stderr
         )
     service = Service(f"http://127.0.0.1:{port}", workdir / "audit.jsonl", stderr_path, process)
+    # With API keys, /health shows its checks only to a caller with a key: the first one configured.
+    first_key = environment.get("METAAGENT_API_KEYS", "").split(",")[0].split(":")
+    key = first_key[1] if len(first_key) > 1 else first_key[0]
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         deadline = time.monotonic() + 300
         while True:
             assert process.poll() is None, stderr_path.read_text()
             assert time.monotonic() < deadline, "the sandbox image was not ready within 300 s"
             try:
-                checks = service.get("/health").json()["checks"]
+                checks = httpx2.get(f"{service.base_url}/health", headers=headers, timeout=30).json()["checks"]
                 # Ready once the image is there and the runtime chosen (auto's self-test has run).
                 if checks["sandbox_image"]["ok"] and checks["container_engine"]["runtime"]:
                     break

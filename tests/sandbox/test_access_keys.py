@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from tests.sandbox.conftest import RUNTIME_UNDER_TEST
 from tests.test_access import ALICE, BOB, BOB_ID, KEYS
 from tests.test_cli import serving
 
@@ -85,3 +86,45 @@ def test_a_streamed_execution_needs_a_key_runs_under_it_and_counts_against_its_l
     assert refused.status_code == 429
     assert refused.headers["content-type"] == "application/json"
     assert refused.json()["error"].startswith("Key alice already has 1 executions running or queued")
+
+
+def test_a_session_call_through_code_interpreter_is_a_session_call_for_every_limit(tmp_path: Path) -> None:
+    """The finding: with session_id, code_interpreter counted against the key's execution limit (429)
+    while the same call through POST /sessions/{id}/execute ran."""
+    long_run = {"code": "console.log('up'); setInterval(() => {}, 1000)", "timeout_s": 60}
+    answers: list[httpx2.Response] = []
+    env = {"METAAGENT_API_KEYS": KEYS, "METAAGENT_MAX_EXECUTIONS_PER_KEY": "1", "METAAGENT_POOL_ENABLED": "false"}
+    if RUNTIME_UNDER_TEST:
+        env["METAAGENT_SANDBOX_RUNTIME"] = RUNTIME_UNDER_TEST
+    with serving(tmp_path, **env) as (base, _process):
+        created = httpx2.post(f"{base}/sessions", json={"memory_mb": 128}, headers=bearer(ALICE), timeout=180)
+        assert created.status_code == 201, created.text
+        session_id = created.json()["session_id"]
+        first = threading.Thread(
+            target=lambda: answers.append(httpx2.post(f"{base}{RUN}", json=long_run, headers=bearer(ALICE), timeout=90))
+        )
+        first.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not any(
+                e["state"] == "running"
+                for e in httpx2.get(f"{base}/executions", headers=bearer(ALICE), timeout=30).json()["executions"]
+            ):
+                assert time.monotonic() < deadline, "the one-shot execution did not start"
+                time.sleep(0.1)
+            one_shot = httpx2.post(f"{base}{RUN}", json={"code": "1"}, headers=bearer(ALICE), timeout=30)
+            call = {"code": "21 * 2", "session_id": session_id}
+            through_tool = httpx2.post(f"{base}{RUN}", json=call, headers=bearer(ALICE), timeout=60)
+            through_session = httpx2.post(
+                f"{base}/sessions/{session_id}/execute", json={"code": "21 * 2"}, headers=bearer(ALICE), timeout=60
+            )
+        finally:
+            for execution in httpx2.get(f"{base}/executions", headers=bearer(ALICE), timeout=30).json()["executions"]:
+                httpx2.delete(f"{base}/executions/{execution['execution_id']}", headers=bearer(ALICE), timeout=30)
+            first.join(timeout=90)
+            httpx2.delete(f"{base}/sessions/{session_id}", headers=bearer(ALICE), timeout=60)
+    assert one_shot.status_code == 429  # the one-shot quota is full
+    for answer in (through_tool, through_session):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["result"] == "42"
+        assert answer.json()["session_id"] == session_id

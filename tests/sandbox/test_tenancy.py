@@ -99,3 +99,52 @@ def test_an_operators_key_sees_and_kills_every_callers_executions(service: Servi
     assert answers[0].status_code == 200
     assert answers[0].json()["killed"] is True
     assert listed(service, ALICE) == []
+
+
+def test_each_key_holds_an_equal_share_of_the_sessions_and_an_operator_more(
+    tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient
+) -> None:
+    """The finding: METAAGENT_SESSIONS_PER_KEY defaulted to all of METAAGENT_SESSION_MAX, so one key could
+    hold every session and every other key got 429. Three keys and 4 sessions: a share of 1 each."""
+    with running_service(
+        tmp_path_factory.mktemp("session-share"),
+        METAAGENT_API_KEYS=KEYS,
+        METAAGENT_SESSION_MAX="4",
+        METAAGENT_POOL_ENABLED="false",
+    ) as service:
+        opened: list[tuple[str, str]] = []
+
+        def create(key: str) -> httpx2.Response:
+            response = httpx2.post(
+                f"{service.base_url}/sessions", json={"memory_mb": 128}, headers=bearer(key), timeout=180
+            )
+            if response.status_code == 201:
+                opened.append((key, response.json()["session_id"]))
+            return response
+
+        try:
+            assert create(ALICE).status_code == 201
+            second = create(ALICE)
+            assert second.status_code == 429
+            assert int(second.headers["Retry-After"]) > 0
+            assert second.json()["error"] == (
+                "Key alice already has 1 sessions open, its share (METAAGENT_SESSIONS_PER_KEY: 1); close one first"
+            )
+            assert create(BOB).status_code == 201  # alice's sessions left bob his share
+            assert [create(OPERATOR).status_code for _ in range(2)] == [201, 201]  # an operator may hold more
+            full = create(BOB)
+            assert full.status_code == 429
+            assert "its share" in full.json()["error"]
+            key, alices = opened.pop(0)
+            assert httpx2.delete(f"{service.base_url}/sessions/{alices}", headers=bearer(key), timeout=60).is_success
+            assert create(OPERATOR).status_code == 201
+            # Alice is under her share, the service is full: the refusal gives her own count, not the service's.
+            at_capacity = create(ALICE)
+            assert at_capacity.status_code == 429
+            assert at_capacity.json()["error"] == (
+                "At capacity: the service has as many sessions open as it may (METAAGENT_SESSION_MAX), 0 of them "
+                "yours; close one or retry later"
+            )
+        finally:
+            for key, session_id in opened:
+                httpx2.delete(f"{service.base_url}/sessions/{session_id}", headers=bearer(key), timeout=60)

@@ -60,13 +60,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = str(exc.detail)
-        # FastAPI's body parser says only "There was an error parsing the body"; its cause says what to fix.
-        if isinstance(exc.__cause__, UnicodeDecodeError):
-            message = f"The request body is not valid UTF-8 ({exc.__cause__.reason}); send JSON encoded as UTF-8"
-        elif isinstance(exc.__cause__, RecursionError):
-            message = "The request body nests arrays or objects too deeply to parse; send flatter JSON"
-        return ErrorResponse({"error": message}, status_code=exc.status_code, headers=exc.headers)
+        # FastAPI's body reader answers any failure of the JSON decoder with "There was an error parsing
+        # the body" (400); the decoder's own refusal (metaagent.request_json, a 422 naming the field) is
+        # its cause.
+        if isinstance(exc.__cause__, MetaAgentError):
+            return error_response(exc.__cause__)
+        return ErrorResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:

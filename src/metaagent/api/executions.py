@@ -10,12 +10,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from metaagent.access import caller_of
+from metaagent.api.body import StrictJsonRoute
 from metaagent.api.deps import services
 from metaagent.api.errors import error_responses
 from metaagent.executions import Execution, ExecutionInfo, ExecutionList, ExecutionRegistry, KillResult
 from metaagent.tenancy import check_access, visible_to
 
-router = APIRouter(prefix="/executions", tags=["executions"])
+router = APIRouter(prefix="/executions", tags=["executions"], route_class=StrictJsonRoute)
 
 
 def _owner(execution: Execution) -> str | None:

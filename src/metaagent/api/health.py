@@ -1,4 +1,9 @@
-"""`/health` (open to probes, even with API keys) and `/metrics` (Prometheus text)."""
+"""`/health` (open to probes, even with API keys) and `/metrics` (Prometheus text).
+
+With API keys, a request to `/health` without a key gets only `{"status"}`; a key's caller gets the
+checks, with counts of its own work; an operator's key (and a service without keys, whose one caller
+owns everything) also gets the service-wide counts. `/metrics`, all service-wide, needs an operator's key.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +15,45 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from metaagent import __version__
+from metaagent.access import caller_of
+from metaagent.api.body import StrictJsonRoute
 from metaagent.api.deps import services
+from metaagent.errors import Forbidden
 from metaagent.sandbox.engine import Engine, EngineUnavailable
+from metaagent.services import Services
+from metaagent.tenancy import Caller, visible_to
 
-router = APIRouter(tags=["service"])
+router = APIRouter(tags=["service"], route_class=StrictJsonRoute)
 
 
 @router.get("/health", summary="Liveness and the state of each dependency")
 async def health(request: Request) -> dict[str, Any]:
-    svc = services(request)
-    checks: dict[str, Any] = {
+    svc, caller = services(request), caller_of(request)
+    checks = await _checks(svc, caller)
+    status = "ok" if all(c["ok"] for c in checks.values()) else "degraded"
+    if request.app.state.keys and caller.key_id is None:  # a probe without a key: the status alone
+        return {"status": status}
+    return {"status": status, "version": __version__, "checks": checks}
+
+
+async def _checks(svc: Services, caller: Caller) -> dict[str, Any]:
+    """Every check; the service-wide counts (others' work) only for an operator or a service without keys."""
+    whole_service = caller.key_id is None or caller.operator
+    executions: dict[str, Any] = {"ok": True, "capacity": svc.interpreter.admission.capacity}
+    pool = svc.interpreter.pool
+    warm_pool: dict[str, Any] = {
+        "ok": True,
+        "floor": pool.limits.floor,
+        "ceiling": pool.limits.ceiling,
+        "memory_budget_mb": pool.limits.memory_budget_mb,
+    }
+    if whole_service:
+        executions |= {"running": svc.interpreter.admission.running, "queued": svc.interpreter.admission.waiting}
+        # `size` is the target now: it follows demand between floor and ceiling.
+        warm_pool |= {"ready": pool.ready, "size": pool.size, "served": pool.served}
+    else:  # a tenant's own work only
+        executions["yours"] = len(visible_to(caller, svc.executions.all(), lambda e: e.caller))
+    return {
         "egress_allowlist": {"ok": True, "patterns": len(svc.allowlist)},
         "container_engine": {
             **await _engine_check(svc.engine),
@@ -33,29 +67,20 @@ async def health(request: Request) -> dict[str, Any]:
             "building": svc.image.building,
             **({"error": svc.image.error} if svc.image.error else {}),
         },
-        "executions": {
-            "ok": True,
-            "running": svc.interpreter.admission.running,
-            "queued": svc.interpreter.admission.waiting,
-            "capacity": svc.interpreter.admission.capacity,
-        },
-        "warm_pool": {
-            "ok": True,
-            "ready": (pool := svc.interpreter.pool).ready,
-            "size": pool.size,  # the target now: it follows demand between floor and ceiling
-            "served": pool.served,
-            "floor": pool.limits.floor,
-            "ceiling": pool.limits.ceiling,
-            "memory_budget_mb": pool.limits.memory_budget_mb,
-        },
+        "executions": executions,
+        "warm_pool": warm_pool,
     }
-    status = "ok" if all(c["ok"] for c in checks.values()) else "degraded"
-    return {"status": status, "version": __version__, "checks": checks}
 
 
 # An explicit route: mounting prometheus-client's ASGI app would redirect /metrics to /metrics/.
 @router.get("/metrics", include_in_schema=False)
-async def metrics() -> Response:
+async def metrics(request: Request) -> Response:
+    caller = caller_of(request)
+    if request.app.state.keys and not caller.operator:
+        raise Forbidden(
+            "GET /metrics shows the whole service's figures, so it needs an operator's key "
+            "(name:key:admin in METAAGENT_API_KEYS); GET /health shows a tenant's own"
+        )
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 

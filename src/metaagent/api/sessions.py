@@ -12,6 +12,7 @@ from starlette.background import BackgroundTask
 from starlette.convertors import Convertor, register_url_convertor
 
 from metaagent.access import current_tenant
+from metaagent.api.body import StrictJsonRoute
 from metaagent.api.deps import services, until_disconnect
 from metaagent.api.errors import error_responses
 from metaagent.api.events import OPENAPI_RESPONSE, event_stream, wants_event_stream
@@ -43,7 +44,7 @@ class _AnyPath(Convertor[str]):
 
 register_url_convertor("anypath", _AnyPath())
 
-router = APIRouter(prefix="/sessions", tags=["sessions"])
+router = APIRouter(prefix="/sessions", tags=["sessions"], route_class=StrictJsonRoute)
 
 FILES_PREFIX = "/files/"
 

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from metaagent.api.body import StrictJsonRoute
 from metaagent.api.deps import services, until_disconnect
 from metaagent.api.errors import error_responses
 from metaagent.api.events import OPENAPI_RESPONSE, event_stream, wants_event_stream
@@ -20,7 +21,7 @@ from metaagent.tools import ToolSpec
 
 
 def tools_router(tools: Sequence[ToolSpec]) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=StrictJsonRoute)
     for spec in tools:
         if spec.path is not None:
             _add_tool_route(router, spec)

@@ -147,7 +147,7 @@ class PackageStore:
         key = self.key(dependencies)
         if key not in self._sets and self._pending >= _CONCURRENT_INSTALLS + self.max_waiting_installs:
             raise AtCapacity(
-                f"At capacity: {self._pending} package installs running or waiting; retry shortly",
+                "At capacity: the service's package installs are running and as many wait as may; retry shortly",
                 retry_after_s=_RETRY_AFTER_S,
             )
         self._pending += 1

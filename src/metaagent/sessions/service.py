@@ -235,7 +235,7 @@ class Sessions:
             raise Unavailable("The service is shutting down; retry on another instance")
         refuse_unserved_language(request.language)
         caller = tenant.key_id
-        self._admit(caller)
+        self._admit(tenant)
         interpreter = self.interpreter
         dependencies = interpreter.check_packages(request.packages)
         allowlist = interpreter.network_allowlist(request.network)
@@ -275,16 +275,21 @@ class Sessions:
         )
         return session.record()
 
-    def _admit(self, caller: str | None) -> None:
-        if len(self._open) >= self.limits.max_sessions:
+    def _admit(self, tenant: Caller) -> None:
+        """Room for one more session of `tenant`: under the total, and under its key's share unless it is an
+        operator's key. A refusal gives the caller its own numbers only, never how many others hold."""
+        mine = sum(1 for s in self._open.values() if s.owner == tenant.key_id)
+        who = f"Key {tenant.key_id}" if tenant.key_id is not None else "This caller"
+        if not tenant.operator and mine >= self.limits.per_key:
             raise AtCapacity(
-                f"At capacity: {len(self._open)} sessions are open (METAAGENT_SESSION_MAX); close one or retry later",
+                f"{who} already has {mine} sessions open, its share (METAAGENT_SESSIONS_PER_KEY: "
+                f"{self.limits.per_key}); close one first",
                 retry_after_s=5,
             )
-        mine = sum(1 for s in self._open.values() if s.owner == caller)
-        if mine >= self.limits.per_key:
+        if len(self._open) >= self.limits.max_sessions:
             raise AtCapacity(
-                f"This caller already has {mine} sessions open (METAAGENT_SESSIONS_PER_KEY); close one first",
+                f"At capacity: the service has as many sessions open as it may (METAAGENT_SESSION_MAX), {mine} "
+                "of them yours; close one or retry later",
                 retry_after_s=5,
             )
 

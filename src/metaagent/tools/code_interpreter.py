@@ -128,7 +128,9 @@ class Admission:
     async def slot(self) -> AsyncIterator[float]:
         if self._slots.value == 0 and self.waiting >= self.queue_size:
             raise AtCapacity(
-                f"At capacity: {self.capacity} executions running and {self.waiting} queued; retry shortly",
+                # Never how many run or wait: those are other tenants' work.
+                "At capacity: every execution slot of the service is busy and its queue "
+                "(METAAGENT_EXECUTION_QUEUE_SIZE) is full; retry shortly",
                 retry_after_s=2,
             )
         self.waiting += 1
