@@ -277,6 +277,35 @@ function reference() {
     }
     for (const name of names) if (typeof exports[name] === 'function') forbidden.set(fingerprint(exports[name]), `${binding}.${name}`);
   }
+  // And every native handle class of every binding, internal ones included: each class whose prototype
+  // chain carries a handle's marks (HandleWrap's hasRef, StreamBase's isStreamBase), from the names of
+  // every binding node's own sources ask for. None may be reachable as a function behind the gate.
+  const { internalBinding } = require('internal/test/binding');
+  const bindingNames = new Set();
+  for (const [id, source] of Object.entries(process.binding('natives'))) {
+    if (!id.startsWith('internal/deps/')) for (const m of source.matchAll(/internalBinding\('([a-z0-9_]+)'\)/g)) bindingNames.add(m[1]);
+  }
+  const isHandleClass = (value) => {
+    if (typeof value !== 'function' || !value.prototype || typeof value.prototype !== 'object') return false;
+    for (let p = value.prototype; p && p !== Object.prototype; p = Object.getPrototypeOf(p)) {
+      if (Object.hasOwn(p, 'hasRef') || Object.hasOwn(p, 'isStreamBase')) return true;
+    }
+    return false;
+  };
+  // MessagePort is the web API's global, made only by MessageChannel (its constructor always throws).
+  const WEB_GLOBALS = new Set([MessagePort]);
+  for (const name of bindingNames) {
+    let exports;
+    try {
+      exports = internalBinding(name);
+    } catch {
+      continue;
+    }
+    for (const key of Object.getOwnPropertyNames(exports)) {
+      const value = Object.getOwnPropertyDescriptor(exports, key).value;
+      if (isHandleClass(value) && !WEB_GLOBALS.has(value)) forbidden.set(fingerprint(value), `${name}.${key}`);
+    }
+  }
   // tty's streams: each constructs a native TTY handle on the descriptor it is given.
   const tty = require('tty');
   for (const name of ['ReadStream', 'WriteStream']) forbidden.set(fingerprint(tty[name]), `tty.${name}`);
