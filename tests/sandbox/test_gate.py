@@ -661,6 +661,8 @@ const attempts = [
   ['tty.WriteStream(2)', () => new tty.WriteStream(2).write('FORGED raw bytes on fd 2\\n')],
   ['tty.WriteStream(1) called', () => tty.WriteStream(1).write('FORGED\\n')],
   ['tty.ReadStream(0)', () => new tty.ReadStream(0).on('data', (d) => console.log('ESCAPED read', d.length))],
+  ['node:tty', () => new (require('node:tty').WriteStream)(1).write('FORGED\\n')],
+  ['Module._load tty', () => new (module.constructor._load('tty').WriteStream)(1).write('FORGED\\n')],
   ['net.Socket(1)', () => new Socket(1).write('FORGED\\n')],
   ['process.binding', () => process.binding('tty_wrap')],
 ];
@@ -694,6 +696,8 @@ def assert_native_handles_refused(out: str) -> None:
         ("tty.WriteStream(2)", "tty.WriteStream"),
         ("tty.WriteStream(1) called", "tty.WriteStream"),
         ("tty.ReadStream(0)", "tty.ReadStream"),
+        ("node:tty", "tty.WriteStream"),
+        ("Module._load tty", "tty.WriteStream"),
         ("net.Socket(1)", "A handle on a file descriptor (pipe_wrap.Pipe#open)"),
         ("process.binding", "process.binding"),
         ("net.Socket fd 0", "A handle on a file descriptor (pipe_wrap.Pipe#open)"),
