@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
+import docker
+import httpx2
 import pytest
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
@@ -641,6 +644,186 @@ def test_properties_planted_on_object_prototype_do_not_reach_the_gate(run_js_bot
     assert "compiled 42" in out
     assert f"import -> {module_message('fs')}" in out
     assert "http ECONNREFUSED" in out  # a TCP connection, not the planted Unix socket path
+
+
+# --- native handles, as a class (runner/handles.js) ------------------------------------------------
+
+# Every way from user code to a native handle on a descriptor: tty's streams (a TTY handle on the number
+# given), net.Socket on a descriptor (a Pipe or TCP handle's open(fd)), the class behind a live handle and
+# its bases, and process.binding. Each must be refused; any raw byte it got out would say FORGED.
+NATIVE_HANDLES = (
+    REPORT
+    + """
+const tty = require('tty');
+const Socket = Object.getPrototypeOf(tty.ReadStream);
+const attempts = [
+  ['tty.WriteStream(1)', () => new tty.WriteStream(1).write('FORGED raw bytes on fd 1\\n')],
+  ['tty.WriteStream(2)', () => new tty.WriteStream(2).write('FORGED raw bytes on fd 2\\n')],
+  ['tty.WriteStream(1) called', () => tty.WriteStream(1).write('FORGED\\n')],
+  ['tty.ReadStream(0)', () => new tty.ReadStream(0).on('data', (d) => console.log('ESCAPED read', d.length))],
+  ['node:tty', () => new (require('node:tty').WriteStream)(1).write('FORGED\\n')],
+  ['Module._load tty', () => new (module.constructor._load('tty').WriteStream)(1).write('FORGED\\n')],
+  ['net.Socket(1)', () => new Socket(1).write('FORGED\\n')],
+  ['process.binding', () => process.binding('tty_wrap')],
+];
+for (let fd = 0; fd < 12; fd++) {
+  attempts.push([`net.Socket fd ${fd}`, () => new Socket({ fd, readable: true, writable: true }).write('FORGED\\n')]);
+}
+// A live TCP handle with a descriptor: a server listening on the loopback.
+const server = require('http').createServer().listen(0);
+const handle = server._handle;
+attempts.push(['TCP class', () => new handle.constructor(0)]);
+let depth = 0;
+for (let p = Object.getPrototypeOf(handle); p !== null && p !== Object.prototype; p = Object.getPrototypeOf(p)) {
+  const base = p.constructor;
+  attempts.push([`TCP base ${depth++}`, () => new base(1)]);
+}
+attempts.push(['TCP open(1)', () => handle.open(1)]);
+attempts.push(['net.Socket on its own TCP descriptor', () => new Socket({ fd: handle.fd })]);
+for (const [label, attempt] of attempts) {
+  try { attempt(); console.log('ESCAPED', label); } catch (e) { report(label, e); }
+}
+server.close();
+console.log('real output after', attempts.length, 'attempts');
+"""
+)
+
+
+def assert_native_handles_refused(out: str) -> None:
+    assert "FORGED" not in out, out
+    for label, api in (
+        ("tty.WriteStream(1)", "tty.WriteStream"),
+        ("tty.WriteStream(2)", "tty.WriteStream"),
+        ("tty.WriteStream(1) called", "tty.WriteStream"),
+        ("tty.ReadStream(0)", "tty.ReadStream"),
+        ("node:tty", "tty.WriteStream"),
+        ("Module._load tty", "tty.WriteStream"),
+        ("net.Socket(1)", "A handle on a file descriptor (pipe_wrap.Pipe#open)"),
+        ("process.binding", "process.binding"),
+        ("net.Socket fd 0", "A handle on a file descriptor (pipe_wrap.Pipe#open)"),
+        ("net.Socket fd 1", "A handle on a file descriptor (pipe_wrap.Pipe#open)"),
+        ("net.Socket fd 2", "A handle on a file descriptor (pipe_wrap.Pipe#open)"),
+        ("TCP class", "The native handle class tcp_wrap.TCP"),
+        ("TCP open(1)", "A handle on a file descriptor (tcp_wrap.TCP#open)"),
+        ("net.Socket on its own TCP descriptor", "A handle on a file descriptor (tcp_wrap.TCP#open)"),
+    ):
+        assert f"{label} -> {api_message(api)}" in out, (label, out)
+    # The TCP handle's prototype chain (TCP, LibuvStreamWrap, HandleWrap, AsyncWrap, BaseObject): each
+    # prototype's constructor is a refusal.
+    bases = [line for line in out.splitlines() if line.startswith("TCP base ")]
+    assert len(bases) == 5, out
+    assert all(f"-> {BLOCKED_API}: The native handle class " in line for line in bases), out
+    # Descriptors 3 and up are node's own (its event loop's) or none: refused, or not a stream at all.
+    for fd in range(3, 12):
+        line = next(line for line in out.splitlines() if line.startswith(f"net.Socket fd {fd} -> "))
+        assert f"-> {BLOCKED_API}: " in line or "-> ERR_INVALID_FD_TYPE: " in line, line
+    assert "real output after" in out
+
+
+def test_no_native_handle_reaches_a_descriptor_in_a_run(run_js_both: RunJs) -> None:
+    result = run_js_both(NATIVE_HANDLES)
+    out = output_of(result)
+    assert result.exit_code == 0, out
+    assert_native_handles_refused(out)
+
+
+def session_call(service: Any, session_id: str, code: str) -> dict[str, Any]:
+    response = httpx2.post(
+        f"{service.base_url}/sessions/{session_id}/execute", json={"code": code, "timeout_s": 10}, timeout=120
+    )
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def test_no_native_handle_reaches_a_descriptor_in_a_session_and_its_wire_stays_intact(sandbox_service: Any) -> None:
+    created = httpx2.post(f"{sandbox_service.base_url}/sessions", json={}, timeout=120)
+    assert created.status_code == 201, created.text
+    session_id = created.json()["session_id"]
+    try:
+        first = session_call(sandbox_service, session_id, NATIVE_HANDLES + "\n'first done'")
+        out = output_of(SimpleNamespace(timed_out=first["timed_out"], stdout=first["stdout"], stderr=first["stderr"]))
+        assert first["session_ended"] is False, first
+        assert first["result"] == "'first done'", first
+        assert_native_handles_refused(out)
+        # The wire is the runner's still: the next calls run, and what they answer is their own.
+        for n in (1, 2):
+            later = session_call(sandbox_service, session_id, f"console.log('later call {n}'); {n} * 21")
+            assert later["session_ended"] is False, later
+            assert later["exit_code"] == 0, later
+            assert later["stdout"] == f"later call {n}\n", later
+            assert later["result"] == str(n * 21), later
+    finally:
+        httpx2.delete(f"{sandbox_service.base_url}/sessions/{session_id}", timeout=120)
+
+
+# Below the gate's own wrappers: a stream handle that node's constructors made on descriptor 0, 1 or 2
+# (as the runner could, through process.binding) refuses every method of its stream base, so that no
+# JavaScript wrapper nobody thought of can move a byte on the runner's stdio. And the classes handles.js
+# gates are the ones node's bindings hold, found by the runner from node itself.
+HANDLE_BASE = """
+const fs = require('fs');
+const say = (line) => fs.writeSync(2, line + '\\n');
+const handles = require('/opt/metaagent/handles.js');
+say('classes ' + handles.labels().join(' '));
+handles.install();
+const report = (label, call) => {
+  try { call(); say('ESCAPED ' + label); } catch (e) { say(`${label} -> ${e.code}: ${e.message}`); }
+};
+const { TTY } = process.binding('tty_wrap');
+for (const fd of [0, 1, 2]) {
+  const made = {};
+  const tty = new TTY(fd, made);
+  if (made.code !== undefined) {
+    say(`TTY(${fd}) not made: ${made.code}`); // not a pipe here (fd 0 is /dev/null)
+    continue;
+  }
+  report(`TTY(${fd}).writeUtf8String`, () => tty.writeUtf8String({}, 'FORGED\\n'));
+  report(`TTY(${fd}).readStart`, () => tty.readStart());
+  report(`TTY(${fd}).setBlocking`, () => tty.setBlocking(true));
+}
+const { FileHandle } = process.binding('fs');
+report('FileHandle(1).close', () => new FileHandle(1).close());
+report('FileHandle(1).writeBuffer', () => new FileHandle(1).writeBuffer({}, Buffer.from('FORGED\\n')));
+say('done');
+process.exit(0);
+"""
+
+
+def test_a_stream_handle_on_the_runners_stdio_moves_no_byte(
+    sandbox_service: Any, docker_client: docker.DockerClient
+) -> None:
+    tag = sandbox_service.get("/health").json()["checks"]["sandbox_image"]["tag"]
+    err = docker_client.containers.run(
+        tag,
+        ["/usr/bin/node", "-e", HANDLE_BASE],
+        network_disabled=True,
+        network_mode="none",
+        user="1001:1001",
+        read_only=True,
+        remove=True,
+        stdout=False,
+        stderr=True,
+    ).decode()
+    assert "ESCAPED" not in err, err
+    assert "FORGED" not in err, err
+    classes = next(line for line in err.splitlines() if line.startswith("classes ")).split()[1:]
+    for label in (
+        "tty_wrap.TTY",
+        "pipe_wrap.Pipe",
+        "tcp_wrap.TCP",
+        "udp_wrap.UDP",
+        "fs.FileHandle",
+        "process_wrap.Process",
+    ):
+        assert label in classes, classes
+    for fd in (1, 2):  # pipes to the engine, as in a run (fd 0 here is /dev/null, where no TTY is made)
+        refusal = api_message(f"A LibuvStreamWrap handle on descriptor {fd} (the runner's stdio)")
+        for method in ("writeUtf8String", "readStart", "setBlocking"):
+            assert f"TTY({fd}).{method} -> {refusal}" in err, (method, err)
+    for method in ("close", "writeBuffer"):
+        assert f"FileHandle(1).{method} -> {BLOCKED_API}: A FileHandle handle on descriptor 1" in err, err
+    assert err.rstrip().endswith("done"), err
 
 
 # --- prototype poisoning ------------------------------------------------------------------------------

@@ -28,54 +28,125 @@ function fingerprint(fn) {
   return crypto.createHash('sha256').update(source).digest('hex').slice(0, 20);
 }
 
-function walk(roots, onFunction, onObject) {
+// A walk that can be given more roots after it ran: walker.add(value, path), then walker.drain().
+function walker(onFunction, onObject, limit = LIMIT) {
   const seen = new Set();
   const queue = [];
+  let next = 0;
   const visit = (value, path) => {
     if ((typeof value !== 'object' || value === null) && typeof value !== 'function') return;
-    if (seen.has(value) || seen.size >= LIMIT) return;
+    if (seen.has(value) || seen.size >= limit) return;
     seen.add(value);
     queue.push([value, path]);
   };
-  for (const [path, value] of roots) visit(value, path);
-  for (let i = 0; i < queue.length; i++) {
-    const [object, path] = queue[i];
-    if (typeof object === 'function') onFunction(object, path);
-    else if (onObject) onObject(object, path);
-    let keys;
-    try {
-      visit(Object.getPrototypeOf(object), `${path}.__proto__`);
-      keys = Reflect.ownKeys(object);
-    } catch {
-      continue;
-    }
-    for (const key of keys) {
-      const name = `${path}.${String(key)}`;
-      let descriptor;
+  const drain = () => {
+    for (; next < queue.length; next++) {
+      const [object, path] = queue[next];
+      if (typeof object === 'function') onFunction(object, path);
+      else if (onObject) onObject(object, path);
+      let keys;
       try {
-        descriptor = Object.getOwnPropertyDescriptor(object, key);
+        visit(Object.getPrototypeOf(object), `${path}.__proto__`);
+        keys = Reflect.ownKeys(object);
       } catch {
         continue;
       }
-      if (descriptor === undefined) continue;
-      if ('value' in descriptor) {
-        visit(descriptor.value, name);
-        continue;
-      }
-      if (descriptor.set) visit(descriptor.set, `${name} (setter)`);
-      if (descriptor.get) {
-        visit(descriptor.get, `${name} (getter)`);
+      for (const key of keys) {
+        const name = `${path}.${String(key)}`;
+        let descriptor;
         try {
-          const value = Reflect.apply(descriptor.get, object, []);
-          if (value instanceof Promise) value.catch(() => {}); // a getter for other receivers may reject
-          visit(value, name);
+          descriptor = Object.getOwnPropertyDescriptor(object, key);
         } catch {
-          // a getter for other receivers
+          continue;
+        }
+        if (descriptor === undefined) continue;
+        if ('value' in descriptor) {
+          visit(descriptor.value, name);
+          continue;
+        }
+        if (descriptor.set) visit(descriptor.set, `${name} (setter)`);
+        if (descriptor.get) {
+          visit(descriptor.get, `${name} (getter)`);
+          try {
+            const value = Reflect.apply(descriptor.get, object, []);
+            if (value instanceof Promise) value.catch(() => {}); // a getter for other receivers may reject
+            visit(value, name);
+          } catch {
+            // a getter for other receivers
+          }
         }
       }
     }
+    return seen.size;
+  };
+  return { add: visit, drain, size: () => seen.size };
+}
+
+function walk(roots, onFunction, onObject) {
+  const w = walker(onFunction, onObject);
+  for (const [path, value] of roots) w.add(value, path);
+  return w.drain();
+}
+
+// Objects that exist only after a call. Every class the walk reaches (a JavaScript function with methods
+// on its prototype, or a `class`) is constructed with each of a few benign argument lists, and what it
+// returns is walked in turn: the instance, its prototypes, its `_handle` and that handle's constructor,
+// and the classes among them, until no new class turns up. `1` stands for a descriptor where a class
+// takes one (tty.WriteStream(1), net.Socket(1)): a descriptor the runner holds.
+const BENIGN_ARGUMENTS = [[], [1], [{}]];
+// Internal classes that hand their arguments to a native constructor unchecked: node aborts on a
+// missing one (a failed CHECK, which ends the process). Named by their function's name.
+const ABORTS = new Set((typeof process.env.WALK_SKIP === 'string' ? process.env.WALK_SKIP : '').split('|').concat([
+  'Zlib',
+]));
+
+function isClass(fn) {
+  let source;
+  try {
+    source = Function.prototype.toString.call(fn);
+  } catch {
+    return false;
   }
-  return seen.size;
+  if (/\{\s*\[native code\]\s*\}$/.test(source)) return false; // natives are fingerprinted, never constructed
+  if (ABORTS.has(fn.name)) return false;
+  if (source.startsWith('class')) return true;
+  const prototype = Object.getOwnPropertyDescriptor(fn, 'prototype');
+  if (!prototype || !prototype.value || typeof prototype.value !== 'object') return false;
+  return Reflect.ownKeys(prototype.value).some((key) => key !== 'constructor');
+}
+
+// Walks `roots`, then constructs every class found and walks what that makes. onFunction(fn, path,
+// phase) sees each function once, with phase 'static' or 'constructed'. Returns the counts.
+function walkWithInstances(roots, onFunction, onObject, trace) {
+  let phase = 'static';
+  const classes = [];
+  const w = walker((fn, path) => {
+    if (isClass(fn)) classes.push([fn, path]);
+    onFunction(fn, path, phase);
+  }, (object, path) => onObject && onObject(object, path, phase), 2 * LIMIT);
+  for (const [path, value] of roots) w.add(value, path);
+  const objects = w.drain();
+  phase = 'constructed';
+  // What a constructed object does later (a request's connection error, a stream's) is not the walk's.
+  process.on('uncaughtException', () => {});
+  process.on('unhandledRejection', () => {});
+  let constructed = 0;
+  for (let i = 0; i < classes.length; i++) {
+    const [Class, path] = classes[i];
+    for (const args of BENIGN_ARGUMENTS) {
+      let instance;
+      if (trace) trace(`${path} ${JSON.stringify(args)}`);
+      try {
+        instance = Reflect.construct(Class, args);
+      } catch {
+        continue;
+      }
+      constructed++;
+      w.add(instance, `new ${path}(${args.map((a) => JSON.stringify(a)).join(', ')})`);
+    }
+    w.drain(); // may push more classes
+  }
+  return { objects, instances: w.size() - objects, classes: classes.length, constructed };
 }
 
 // The own functions of a module's exports, and the own methods of the classes among them (JavaScript
@@ -206,6 +277,38 @@ function reference() {
     }
     for (const name of names) if (typeof exports[name] === 'function') forbidden.set(fingerprint(exports[name]), `${binding}.${name}`);
   }
+  // And every native handle class of every binding, internal ones included: each class whose prototype
+  // chain carries a handle's marks (HandleWrap's hasRef, StreamBase's isStreamBase), from the names of
+  // every binding node's own sources ask for. None may be reachable as a function behind the gate.
+  const { internalBinding } = require('internal/test/binding');
+  const bindingNames = new Set();
+  for (const [id, source] of Object.entries(process.binding('natives'))) {
+    if (!id.startsWith('internal/deps/')) for (const m of source.matchAll(/internalBinding\('([a-z0-9_]+)'\)/g)) bindingNames.add(m[1]);
+  }
+  const isHandleClass = (value) => {
+    if (typeof value !== 'function' || !value.prototype || typeof value.prototype !== 'object') return false;
+    for (let p = value.prototype; p && p !== Object.prototype; p = Object.getPrototypeOf(p)) {
+      if (Object.hasOwn(p, 'hasRef') || Object.hasOwn(p, 'isStreamBase')) return true;
+    }
+    return false;
+  };
+  // MessagePort is the web API's global, made only by MessageChannel (its constructor always throws).
+  const WEB_GLOBALS = new Set([MessagePort]);
+  for (const name of bindingNames) {
+    let exports;
+    try {
+      exports = internalBinding(name);
+    } catch {
+      continue;
+    }
+    for (const key of Object.getOwnPropertyNames(exports)) {
+      const value = Object.getOwnPropertyDescriptor(exports, key).value;
+      if (isHandleClass(value) && !WEB_GLOBALS.has(value)) forbidden.set(fingerprint(value), `${name}.${key}`);
+    }
+  }
+  // tty's streams: each constructs a native TTY handle on the descriptor it is given.
+  const tty = require('tty');
+  for (const name of ['ReadStream', 'WriteStream']) forbidden.set(fingerprint(tty[name]), `tty.${name}`);
   forbidden.delete(null);
   // A fingerprint must name one function. Not the base classes' methods that the refused modules share
   // with everything (fs.WriteStream.prototype.destroySoon is Writable.prototype.end), nor the source of
@@ -240,6 +343,30 @@ function reference() {
   for (const [print, label] of forbidden) process.stdout.write(`${JSON.stringify([print, label])}\n`);
   process.stdout.write(`${JSON.stringify(['baseline', baseline])}\n`);
   process.stdout.write(`${JSON.stringify(['control', control])}\n`);
+  // The walk with instances, over the same roots in this ungated node: which powers it finds only
+  // after a call (tty's native handles on a descriptor, among them), its positive control.
+  // `node -e` makes every built-in a global of its own: those the gate refuses are left out (and the
+  // global object's names for itself, which lead back to them).
+  const globals = Object.create(Object.getPrototypeOf(globalThis));
+  for (const key of Reflect.ownKeys(globalThis)) {
+    if (key === 'globalThis' || key === 'global') continue;
+    if (!Module.builtinModules.includes(key) || ALLOWED.includes(key)) {
+      Object.defineProperty(globals, key, Object.getOwnPropertyDescriptor(globalThis, key));
+    }
+  }
+  const roots = surfaceRoots(ALLOWED).map(([path, value]) => [path, path === 'globalThis' ? globals : value]);
+  const discovered = { static: new Set(), constructed: {} };
+  walkWithInstances(roots, (fn, path, phase) => {
+    const label = forbidden.get(fingerprint(fn));
+    if (label === undefined) return;
+    if (phase === 'static') discovered.static.add(label);
+    else if (!discovered.static.has(label) && !(label in discovered.constructed)) discovered.constructed[label] = path;
+  });
+  for (const [label, path] of Object.entries(discovered.constructed)) {
+    process.stdout.write(`${JSON.stringify(['constructed', [label, path]])}\n`);
+  }
+  // What the walk constructed (servers, sockets) would keep this process alive.
+  process.stdout.write('', () => process.exit(0));
 }
 
 async function gated() {
@@ -259,12 +386,15 @@ async function gated() {
   const found = [];
   let functions = 0;
   let messagePorts = 0;
-  const objects = walk(roots, (fn, path) => {
+  const counts = walkWithInstances(roots, (fn, path) => {
     functions++;
     const print = fingerprint(fn);
     if (forbidden.has(print) && found.length < 50) found.push([print, path]);
-  }, (object) => {
-    if (object instanceof MessagePort) messagePorts++;
+  }, (object, path, phase) => {
+    // no hooks thread, so no port to it: counted among what exists before any call
+    if (phase === 'static' && object instanceof MessagePort) messagePorts++;
   });
-  process.stdout.write(JSON.stringify({ allowed, objects, functions, found, messagePorts }));
+  const { objects, instances, classes, constructed } = counts;
+  process.stdout.write(JSON.stringify({ allowed, objects, instances, classes, constructed, functions, found, messagePorts }));
+  process.exit(0); // what the walk constructed (servers, sockets) would keep this process alive
 }

@@ -27,6 +27,9 @@
 //   async_hooks has no `createHook` or `executionAsyncResource` (they hand out the runner's own handles
 //   and requests); node's own modules keep the real ones.
 //   The runner's stdio never becomes a node stream (stdio.js), so no stdio object holds a handle.
+// - Native handle classes (handles.js): every one node's bindings hold, found when the runner loads, is
+//   gated as a class: no constructor from an instance, no `open(fd)`, no byte moved by a stream handle on
+//   descriptors 0, 1 or 2. tty's ReadStream and WriteStream (a TTY handle on any descriptor) are refused.
 //
 // Not closed here, and why that is acceptable (SECURITY.md): http and https stay, and net's Socket and
 // Server classes are reachable through their prototype chains (http.Server, tty.ReadStream). Their
@@ -39,11 +42,14 @@ const net = require('net');
 const asyncHooks = require('async_hooks');
 const crypto = require('crypto');
 const tls = require('tls');
+const tty = require('tty');
 // Loaded now because node's worker module wraps process.chdir when it first loads (fetch loads it):
 // after install() that property is locked.
 require('worker_threads');
 const policy = require('./policy.js');
 const imports = require('./imports.js');
+// Node's native handle classes, found in its bindings as this file loads and gated by install().
+const handles = require('./handles.js');
 
 const ReflectApply = Reflect.apply;
 const ObjectDefineProperty = Object.defineProperty;
@@ -84,7 +90,9 @@ const PipePrototype = process.binding('pipe_wrap').Pipe.prototype;
 const originalPipeConnect = PipePrototype.connect;
 // The native SecureContext behind tls, https and fetch: its engine methods dlopen() a path.
 const SecureContextPrototype = ObjectGetPrototypeOf(tls.createSecureContext().context);
-const ownFiles = [__filename, require.resolve('./policy.js'), require.resolve('./imports.js')];
+const ownFiles = [
+  __filename, require.resolve('./policy.js'), require.resolve('./imports.js'), require.resolve('./handles.js'),
+];
 
 const WRAPPER_PARAMETERS = ObjectFreeze(['exports', 'require', 'module', '__filename', '__dirname']);
 
@@ -117,6 +125,27 @@ facades.async_hooks = facadeOf(asyncHooks, {
   createHook: blockedApi('async_hooks.createHook'),
   executionAsyncResource: blockedApi('async_hooks.executionAsyncResource'),
 });
+// tty: its streams are native TTY handles on any descriptor the caller names, the runner's 0, 1 and 2
+// included (the program's stdio is process.stdin, stdout and stderr, from stdio.js). isatty stays.
+// The refusals keep the streams' place in the class tree: each is a net.Socket subclass, as node's are.
+facades.tty = facadeOf(tty, {
+  ReadStream: refusedSubclass(function ReadStream() {
+    throw apiBlockedError('tty.ReadStream', ReadStream);
+  }),
+  WriteStream: refusedSubclass(function WriteStream() {
+    throw apiBlockedError('tty.WriteStream', WriteStream);
+  }),
+});
+
+function refusedSubclass(refusal) {
+  ObjectSetPrototypeOf(refusal, net.Socket);
+  const prototype = ObjectCreate(net.Socket.prototype);
+  ObjectDefineProperty(prototype, 'constructor', {
+    __proto__: null, value: refusal, writable: true, enumerable: false, configurable: true,
+  });
+  ObjectDefineProperty(refusal, 'prototype', { __proto__: null, value: prototype, writable: false });
+  return refusal;
+}
 
 function facadeOf(exports, refusals) {
   const facade = ownOptions(exports);
@@ -402,7 +431,9 @@ function install({ unixSockets = [], builtins = {}, chdir = blockedApi('process.
   lock(PipePrototype, 'connect', pipeConnectGate(ObjectFreeze(sockets)));
   lock(PipePrototype, 'bind', blockedApi('a Unix socket handle\'s bind'));
   lock(PipePrototype, 'listen', blockedApi('a Unix socket handle\'s listen'));
-  lock(PipePrototype, 'open', blockedApi('a Unix socket handle on a file descriptor'));
+  // Every native handle class (handles.js): no constructor from an instance, no `open(fd)`, and no
+  // stream handle on the runner's descriptors 0, 1 and 2 moves a byte.
+  handles.install();
 
   // OpenSSL's dynamic engine dlopen()s the path it is given: crypto.setEngine, and the privateKeyEngine
   // and clientCertEngine options that tls, https and fetch (undici) pass on to the native SecureContext.
