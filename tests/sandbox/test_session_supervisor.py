@@ -137,7 +137,7 @@ def test_raw_bytes_to_every_descriptor_change_nothing_but_the_programs_own_outpu
     # Later calls run for real: their results are computed, not forged, and the files are the real ones.
     for n in (1, 2, 3):
         later = sessions.run(sid, f"globalThis.count = (globalThis.count || 0) + 1; count * {n}")
-        assert later["result"] == str(n), later
+        assert later["result"] == str(n * n), later
         assert later["exit_code"] == 0
         assert later["session_ended"] is False
     listed = sessions.request("GET", f"/sessions/{sid}/files").json()["files"]
