@@ -48,6 +48,9 @@ async def health(request: Request) -> dict[str, Any]:
             "ceiling": pool.limits.ceiling,
             "memory_budget_mb": pool.limits.memory_budget_mb,
         },
+        # The service's own background tasks (warm pool, sessions, their reaper): not ok while one is not
+        # running (it failed and waits to be restarted), which it names.
+        "background_tasks": svc.supervisor.check(),
     }
     status = "ok" if all(c["ok"] for c in checks.values()) else "degraded"
     return {"status": status, "version": __version__, "checks": checks}
