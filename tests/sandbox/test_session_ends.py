@@ -1,20 +1,25 @@
 """A session's end never waits on a caller (issue 22, findings 5 and 6): a download that its client never
 reads is cut when the session ends, so the engine's kill and removal go through, the service's background
-tasks live on, and other keys' calls are served as before."""
+tasks live on, and other keys' calls are served as before. And when the engine itself cannot confirm a
+close in time, DELETE says the session is ending and the reaper finishes it."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import docker
 import pytest
 
+from metaagent.sandbox.image import image_tag
 from tests.sandbox.conftest import Service, audit_records, labelled_containers, running_service
+from tests.sandbox.private_engine import PrivateEngine, private_engine
 from tests.sandbox.test_sessions import ALICE, BOB, Sessions
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
@@ -142,3 +147,52 @@ def test_a_session_whose_download_is_never_read_ends_at_its_lifetime_and_the_ser
         assert report["checks"]["background_tasks"]["ok"] is True, report
     log = two_keys.stderr_path.read_text()
     assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.fixture
+def engine() -> Iterator[PrivateEngine]:
+    with private_engine() as started:
+        yield started
+
+
+@pytest.mark.slow
+def test_a_close_the_engine_cannot_confirm_answers_202_ending_and_the_reaper_removes_the_container_later(
+    engine: PrivateEngine, docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
+    engine.load_image(docker_client, image_tag())
+    with running_service(
+        tmp_path,
+        DOCKER_HOST=engine.url,
+        METAAGENT_POOL_ENABLED="false",
+        METAAGENT_SANDBOX_RUNTIME="runc",  # the private engine has runc only: the engine is under test here
+    ) as service:
+        sessions = Sessions(service)
+        sid = sessions.create()
+        assert sessions.run(sid, "1+1")["result"] == "2"
+        container_id = container_of(service, sid)
+        assert engine.process is not None
+        os.kill(engine.process.pid, signal.SIGSTOP)  # the engine hangs: it takes requests, answers none
+        try:
+            closing = sessions.close(sid)
+        finally:
+            os.kill(engine.process.pid, signal.SIGCONT)
+        assert closing.status_code == 202, closing.text
+        assert closing.json() == {"session_id": sid, "closed": False, "ending": True}
+        gone = sessions.request("GET", f"/sessions/{sid}")
+        assert gone.status_code == 410
+        assert gone.json()["reason"] == "closed"
+
+        def ended() -> list[str]:
+            return [
+                r["reason"]
+                for r in audit_records(service)
+                if r.get("event") == "session.ended" and r.get("session_id") == sid
+            ]
+
+        # The reaper retries the removal until the engine confirms it; then the session retires.
+        deadline = time.monotonic() + 120
+        while container_id in engine.containers() or not ended():
+            assert time.monotonic() < deadline, "the reaper did not finish the ended session"
+            time.sleep(0.5)
+        assert ended() == ["closed"]
+        assert sessions.request("GET", "/health").json()["checks"]["background_tasks"]["ok"] is True
