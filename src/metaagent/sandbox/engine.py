@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +177,7 @@ class Engine:
         chosen = {lane.name: lane for lane in (*LANES, *lanes)}
         self.call_lane, self.control_lane, self.wait_lane, self.bulk_lane = (chosen[lane.name] for lane in LANES)
         self._clients: dict[str, docker.DockerClient] = {}
+        self._clients_lock = threading.Lock()
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
 
     @_engine_errors
@@ -183,14 +185,17 @@ class Engine:
         lane = lane or self.call_lane
         client = self._clients.get(lane.name)
         if client is None:
-            # Version 1.41 (Docker 20.10) is what Debian ships and every later engine still speaks.
-            client = docker.DockerClient(
-                base_url=self._base_url,
-                version="1.41",
-                timeout=lane.socket_timeout_s,  # type: ignore[arg-type]  # None (no timeout) works; the stubs say int
-                max_pool_size=min(lane.threads, 64),
-            )
-            self._clients[lane.name] = client
+            with self._clients_lock:  # the calls of a lane's threads may be the first to ask for it
+                client = self._clients.get(lane.name)
+                if client is None:
+                    # Version 1.41 (Docker 20.10) is what Debian ships and every later engine still speaks.
+                    client = docker.DockerClient(
+                        base_url=self._base_url,
+                        version="1.41",
+                        timeout=lane.socket_timeout_s,  # type: ignore[arg-type]  # None (no timeout) works; the stubs say int
+                        max_pool_size=min(lane.threads, 64),
+                    )
+                    self._clients[lane.name] = client
         return client
 
     @property
