@@ -37,7 +37,7 @@ from metaagent.errors import (
     UpstreamTimeout,
 )
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
-from metaagent.sandbox.execute import STDOUT_CAP, prepare, session_payload, wait_ready
+from metaagent.sandbox.execute import STDOUT_CAP, first_of, prepare, session_payload, wait_ready
 from metaagent.sandbox.output import OutputSink
 from metaagent.sandbox.session_container import (
     CallOutcome,
@@ -105,6 +105,7 @@ class Session:
     turn: anyio.Semaphore = field(default_factory=lambda: anyio.Semaphore(1))
     resources: AsyncExitStack = field(default_factory=AsyncExitStack)
     retired: anyio.Event = field(default_factory=anyio.Event)
+    unremoved: anyio.Event = field(default_factory=anyio.Event)  # ended, and the engine did not confirm the removal
     container_path: str = "cold"
     security: dict[str, Any] = field(default_factory=dict)  # the container's, as its audit record gives it
 
@@ -391,6 +392,7 @@ class Sessions:
                     await self._retire(session, container.end_reason or "exited")
                 elif started:  # the engine did not confirm the removal: the reaper retries it
                     self._unremoved[session.session_id] = time.monotonic() + _REMOVE_RETRY_S
+                    session.unremoved.set()
 
     async def _retire(self, session: Session, reason: str) -> None:
         self._open.pop(session.session_id, None)
@@ -415,7 +417,7 @@ class Sessions:
         if session.container is not None:
             await session.container.kill("closed")
         with anyio.move_on_after(_CLOSE_WAIT_S):
-            await session.retired.wait()
+            await first_of(session.retired, session.unremoved)
         if not session.retired.is_set():
             return SessionEnding(session_id=session_id)
         return SessionClosed(session_id=session_id)
