@@ -11,14 +11,15 @@ not end at its deadline, or that is killed, is interrupted with SIGINT; if the r
 within the grace period the container is killed and the session ends.
 
 A kill never waits on a caller: before the engine is asked, the session's download is cut (its bytes are
-dropped as they come, and its response is ended, see `Download.cut`), so the reader keeps draining the
-attach stream and the engine can finish the container whatever a client reads.
+dropped as they come, and its response is ended, see `Download.cut`) and the service's side of the attach
+stream is shut, so the engine can finish the container whatever a client reads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -214,6 +215,11 @@ class SessionContainer:
                 await self._killed.wait()
                 return
             self._killed = anyio.Event()
+            # Our side of the attach stream closes first: nothing more is read (the reader sees its end
+            # at once, instead of parsing what the runner still sends), and the engine, whose copy to us
+            # now fails, finishes the container without waiting for anyone to read it.
+            with contextlib.suppress(OSError):
+                self.prepared.sock.shutdown(socket.SHUT_RDWR)
             try:
                 await self.engine.kill(self.container_id, "SIGKILL")
             except EngineUnavailable as exc:
