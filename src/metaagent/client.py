@@ -261,7 +261,8 @@ class _Endpoints(Generic[Result]):
         return self._send(_session_call(session_id, code, timeout_s))
 
     def close_session(self, session_id: str) -> Result:
-        """`DELETE /sessions/{id}`: `{"session_id": ..., "closed": true}`; the container is gone."""
+        """`DELETE /sessions/{id}`: `{"session_id": ..., "closed": true}`; the container is gone. (When the
+        engine cannot confirm that in time: `{"closed": false, "ending": true}`, and the service finishes it.)"""
         return self._send(_Call("DELETE", _session(session_id)))
 
     def session_files(self, session_id: str) -> Result:

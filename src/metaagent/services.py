@@ -1,7 +1,8 @@
 """The running service's parts: built once when the service starts, shared by HTTP routes and MCP.
 
-`running_services(config)` builds them, starts the background work (orphan sweep, image, warm pool),
-and on the way out stops every execution and releases what the parts hold.
+`running_services(config)` builds them, starts the background work (orphan sweep and image, warm pool,
+sessions and their reaper, each one supervised: restarted if it fails, and named by /health while it is
+not running), and on the way out stops every execution and releases what the parts hold.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import anyio
 from metaagent import metrics
 from metaagent.access import ExecutionQuota
 from metaagent.audit import AuditLog
+from metaagent.background import BackgroundTasks
 from metaagent.egress.allowlist import AllowList, empty_items_warning
 from metaagent.egress.guard import EgressGuard
 from metaagent.egress.pool import ConnectionLimits
@@ -73,6 +75,7 @@ class Services:
     execution_quota: ExecutionQuota
     packages: PackageStore
     sessions: Sessions
+    background_tasks: BackgroundTasks
 
     def begin_stop(self) -> None:
         """Refuses new work, empties the warm pool, asks every running execution to be killed and ends
@@ -198,10 +201,26 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         ExecutionQuota(settings.max_executions_per_key),
         packages,
         sessions,
+        BackgroundTasks(),
     )
+    prepared = anyio.Event()
+
+    async def prepare() -> None:
+        try:
+            await _prepare_sandbox(interpreter, settings.sandbox_build_on_start)
+        finally:
+            prepared.set()  # the pool starts whatever the preparation found (it retries starts itself)
+
+    async def keep_pool() -> None:
+        await prepared.wait()
+        await interpreter.pool.run()
+
     async with anyio.create_task_group() as background:
-        background.start_soon(_prepare_sandbox, interpreter, settings.sandbox_build_on_start)
-        background.start_soon(sessions.run)
+        tasks = services.background_tasks
+        tasks.start(background, "sandbox_setup", prepare)
+        tasks.start(background, "warm_pool", keep_pool)
+        tasks.start(background, "sessions", sessions.run)
+        tasks.start(background, "session_reaper", sessions.reap)
         try:
             yield services
         finally:
@@ -221,8 +240,7 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
 
 
 async def _prepare_sandbox(interpreter: CodeInterpreter, build: bool) -> None:
-    """Removes what a dead service left, makes sure of the image, chooses the runtime (its self-test),
-    then keeps the warm pool filled."""
+    """Removes what a dead service left, makes sure of the image and chooses the runtime (its self-test)."""
     engine, image = interpreter.engine, interpreter.image
     try:
         removed = await engine.remove_orphans()
@@ -238,7 +256,6 @@ async def _prepare_sandbox(interpreter: CodeInterpreter, build: bool) -> None:
                 await interpreter.runtime_in_force(image.tag)
         except EngineUnavailable as exc:  # chosen on the next execution instead
             log.warning("%s", exc.message)
-    await interpreter.pool.run()
 
 
 async def _remove_package_volumes(packages: PackageStore) -> None:

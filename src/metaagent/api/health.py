@@ -69,6 +69,9 @@ async def _checks(svc: Services, caller: Caller) -> dict[str, Any]:
         },
         "executions": executions,
         "warm_pool": warm_pool,
+        # The service's own background tasks (warm pool, sessions, their reaper): not ok while one is not
+        # running (it failed and waits to be restarted), which it names.
+        "background_tasks": svc.background_tasks.check(),
     }
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import mimetypes
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 from fastapi import APIRouter, Body, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
 from starlette.convertors import Convertor, register_url_convertor
+from starlette.types import Receive, Scope, Send
 
 from metaagent.access import current_tenant
 from metaagent.api.body import StrictJsonRoute
@@ -22,6 +22,7 @@ from metaagent.sessions.models import (
     FileWritten,
     SessionClosed,
     SessionCreateRequest,
+    SessionEnding,
     SessionExecuteRequest,
     SessionExecuteResponse,
     SessionList,
@@ -67,9 +68,18 @@ async def get_session(session_id: str, request: Request) -> SessionRecord:
     return services(request).sessions.get(session_id, current_tenant()).record()
 
 
-@router.delete("/{session_id}", summary="Close a session now", responses=error_responses(404, 410))
-async def close_session(session_id: str, request: Request) -> SessionClosed:
-    return await services(request).sessions.close(session_id, current_tenant())
+@router.delete(
+    "/{session_id}",
+    summary="Close a session now",
+    response_model=SessionClosed,
+    responses={
+        **error_responses(404, 410),
+        202: {"model": SessionEnding, "description": "The session has ended; the engine is removing its container"},
+    },
+)
+async def close_session(session_id: str, request: Request) -> Response:
+    closed = await services(request).sessions.close(session_id, current_tenant())
+    return JSONResponse(closed.model_dump(mode="json"), status_code=202 if isinstance(closed, SessionEnding) else 200)
 
 
 @router.post(
@@ -131,7 +141,41 @@ async def get_file(session_id: str, path: str, request: Request) -> StreamingRes
     media_type = mimetypes.guess_type(checked.rsplit("/", 1)[-1])[0] or "application/octet-stream"
 
     headers = {"Content-Length": str(download.size)}
-    return StreamingResponse(body(), media_type=media_type, headers=headers, background=BackgroundTask(release))
+    return _Download(body(), download.cut, release, media_type=media_type, headers=headers)
+
+
+class _Download(StreamingResponse):
+    """A file's bytes, sent until they end or the session does (`cut`): a session that ends stops its
+    download wherever it waits, even in a send to a client that does not read; the server then closes
+    the connection (the body is short of its Content-Length, so the client knows)."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        cut: anyio.Event,
+        release: Callable[[], Awaitable[None]],
+        *,
+        media_type: str,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)
+        self._cut = cut
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def cut_when_the_session_ends() -> None:
+                    await self._cut.wait()
+                    group.cancel_scope.cancel()
+
+                group.start_soon(cut_when_the_session_ends)
+                await super().__call__(scope, receive, send)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._release()
 
 
 @router.delete("/{session_id}/files/{path:anypath}", summary="Delete a file", responses=error_responses(400, 404, 410))

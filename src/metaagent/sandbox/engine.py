@@ -3,6 +3,11 @@
 docker-py's calls block, so each runs in a worker thread; the attach stream is the exception: its socket
 is taken over and read with asyncio, so a running execution costs no thread while it prints.
 Every engine failure surfaces as `EngineUnavailable` (a 503 for callers) with the engine's own words.
+
+Each call goes by a lane (`Lane`): its own threads, its own docker client (connection pool and socket
+timeout) and its own deadline. Kills and removals have a lane of their own, so they never queue behind
+creates, starts or inspects that a slow engine holds; a call past its lane's deadline is abandoned and
+raises `EngineTimeout` (an `EngineUnavailable`) that names the call.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import functools
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +42,6 @@ OWNER_PID_LABEL = "org.metaagent.owner-pid"
 SANDBOX_UID = "1001:1001"
 _SANDBOX_UID_NUMBER = 1001
 SANDBOX_HOSTNAME = "sandbox"
-_MAX_WAITING_THREADS = 1024
 _CPU_PERIOD_US = 100_000
 # cgroup cpu.shares: Docker's default weight for running executions, and an eighth of it for a container
 # whose runner is still loading, so that starts (pool refills above all) yield the CPU to running
@@ -50,6 +55,33 @@ T = TypeVar("T")
 
 class EngineUnavailable(Unavailable):
     pass
+
+
+class EngineTimeout(EngineUnavailable):
+    """An engine call that did not answer within its lane's deadline (it was abandoned)."""
+
+
+@dataclass(frozen=True)
+class Lane:
+    """A kind of engine call: `threads` of its own (a limiter), a docker client whose socket timeout is
+    `socket_timeout_s`, and a `deadline_s` for each call (None: the call's own owner bounds it)."""
+
+    name: str
+    threads: int
+    deadline_s: float | None
+    socket_timeout_s: float | None
+
+
+# Creates, starts, attaches, inspects, updates, lists: what a busy engine may take seconds to answer.
+CALLS = Lane("calls", threads=40, deadline_s=60.0, socket_timeout_s=60.0)
+# Kills and removals: what ends a container must find a thread however many other calls are blocked.
+CONTROL = Lane("control", threads=32, deadline_s=15.0, socket_timeout_s=20.0)
+# Waits for an exit: one per running container for its whole life (it returns when its container is
+# removed, which every owner does in a `finally`), so no deadline and as many threads as containers.
+WAITS = Lane("waits", threads=1024, deadline_s=None, socket_timeout_s=None)
+# Archive uploads into a volume (a package set): large bodies.
+BULK = Lane("bulk", threads=4, deadline_s=300.0, socket_timeout_s=120.0)
+LANES = (CALLS, CONTROL, WAITS, BULK)
 
 
 @dataclass(frozen=True)
@@ -136,34 +168,68 @@ def _short(exc: BaseException) -> str:
 
 
 class Engine:
-    """Blocking docker-py calls behind async methods. Construct in the lifespan, never at import time."""
+    """Blocking docker-py calls behind async methods. Construct in the lifespan, never at import time.
 
-    def __init__(self, base_url: str | None = None) -> None:
+    `lanes` replaces lanes by name (tests give a lane a short deadline)."""
+
+    def __init__(self, base_url: str | None = None, *, lanes: tuple[Lane, ...] = ()) -> None:
         self._base_url = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-        self._client: docker.DockerClient | None = None
-        self._waits: anyio.CapacityLimiter | None = None
+        chosen = {lane.name: lane for lane in (*LANES, *lanes)}
+        self.call_lane, self.control_lane, self.wait_lane, self.bulk_lane = (chosen[lane.name] for lane in LANES)
+        self._clients: dict[str, docker.DockerClient] = {}
+        self._clients_lock = threading.Lock()
+        self._limiters: dict[str, anyio.CapacityLimiter] = {}
 
     @_engine_errors
-    def _docker(self) -> docker.DockerClient:
-        if self._client is None:
-            # Version 1.41 (Docker 20.10) is what Debian ships and every later engine still speaks.
-            self._client = docker.DockerClient(base_url=self._base_url, version="1.41", timeout=60, max_pool_size=64)
-        return self._client
+    def _docker(self, lane: Lane | None = None) -> docker.DockerClient:
+        lane = lane or self.call_lane
+        client = self._clients.get(lane.name)
+        if client is None:
+            with self._clients_lock:  # the calls of a lane's threads may be the first to ask for it
+                client = self._clients.get(lane.name)
+                if client is None:
+                    # Version 1.41 (Docker 20.10) is what Debian ships and every later engine still speaks.
+                    client = docker.DockerClient(
+                        base_url=self._base_url,
+                        version="1.41",
+                        timeout=lane.socket_timeout_s,  # type: ignore[arg-type]  # None (no timeout) works; the stubs say int
+                        max_pool_size=min(lane.threads, 64),
+                    )
+                    self._clients[lane.name] = client
+        return client
 
     @property
     def api(self) -> docker.APIClient:
         return self._docker().api
 
-    async def _run(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def _api(self, lane: Lane) -> docker.APIClient:
+        return self._docker(lane).api
+
+    async def _run(self, func: Callable[..., T], *args: Any, lane: Lane | None = None, **kwargs: Any) -> T:
+        """`func` in a thread of `lane` (default: CALLS), abandoned at the lane's deadline (EngineTimeout)."""
+        lane = lane or self.call_lane
         call = functools.partial(_engine_errors(func), *args, **kwargs)
-        return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+        limiter = self._limiters.get(lane.name)
+        if limiter is None:
+            limiter = self._limiters[lane.name] = anyio.CapacityLimiter(lane.threads)
+        if lane.deadline_s is None:
+            return await anyio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=limiter)
+        with anyio.move_on_after(lane.deadline_s):
+            return await anyio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=limiter)
+        metrics.engine_error()
+        what = getattr(func, "__name__", "call").strip("_<>") or "call"
+        log.warning("the container engine did not answer %s within %g s (lane %s)", what, lane.deadline_s, lane.name)
+        raise EngineTimeout(
+            f"The container engine did not answer ({what}) within {lane.deadline_s:g} s; it is overloaded or "
+            "hung (check `docker info`); retry later"
+        )
 
     @property
     def client(self) -> docker.DockerClient:
         return self._docker()
 
     async def ping(self) -> None:
-        await self._run(lambda: self.api.ping())
+        await self._run(self.api.ping)
 
     async def runtimes(self) -> dict[str, list[str]]:
         """The isolation runtimes the engine has registered (runc, and runsc once registered), each with
@@ -269,13 +335,8 @@ class Engine:
         await self._run(self.api.start, container_id)
 
     async def wait(self, container_id: str) -> int:
-        """Blocks (in a thread) until the container exits; returns its exit status."""
-        # Each running execution holds a thread here for its whole run. They get threads of their own,
-        # so that however many run, the kills at their deadlines still find one among the default 40.
-        if self._waits is None:
-            self._waits = anyio.CapacityLimiter(_MAX_WAITING_THREADS)
-        call = functools.partial(_engine_errors(self.api.wait), container_id, timeout=None)
-        result = await anyio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=self._waits)
+        """Blocks (in a thread of the WAITS lane) until the container exits; returns its exit status."""
+        result = await self._run(self._api(self.wait_lane).wait, container_id, timeout=None, lane=self.wait_lane)
         return int(result.get("StatusCode", -1))
 
     async def state(self, container_id: str) -> ContainerState:
@@ -297,25 +358,25 @@ class Engine:
     async def kill(self, container_id: str, signal: str) -> None:
         def kill() -> None:
             try:
-                self.api.kill(container_id, signal=signal)
+                self._api(self.control_lane).kill(container_id, signal=signal)
             except docker.errors.APIError as exc:
                 # 404: already removed; 409: not running any more. Either way the kill is done.
                 if exc.status_code not in (404, 409):
                     raise
 
-        await self._run(kill)
+        await self._run(kill, lane=self.control_lane)
 
     async def remove(self, container_id: str) -> None:
         def remove() -> None:
             try:
-                self.api.remove_container(container_id, force=True, v=True)
+                self._api(self.control_lane).remove_container(container_id, force=True, v=True)
             except docker.errors.NotFound:
                 pass
             except docker.errors.APIError as exc:
                 if exc.status_code != 409:  # 409: removal already in progress
                     raise
 
-        await self._run(remove)
+        await self._run(remove, lane=self.control_lane)
 
     async def remove_failed(self, container_id: str) -> None:
         """Removes a container whose start failed, and whatever its runtime left of it on the host
@@ -346,7 +407,7 @@ class Engine:
                 log.warning("removed the runtime's leftovers of container %s (processes or state)", container_id[:12])
             return len(removed)
 
-        return await anyio.to_thread.run_sync(sweep, abandon_on_cancel=True)
+        return await self._run(sweep)
 
     async def create_volume(self, name: str, labels: dict[str, str]) -> str:
         """Creates a named local volume; returns its folder on this machine (the engine's Mountpoint)."""
@@ -380,10 +441,11 @@ class Engine:
         entries, with their owners and modes."""
 
         def fill() -> None:
-            host_config = self.api.create_host_config(
+            api = self._api(self.bulk_lane)
+            host_config = api.create_host_config(
                 network_mode="none", mounts=[DockerMount(target="/fill", source=volume, type="volume")]
             )
-            helper = self.api.create_container(
+            helper = api.create_container(
                 image=image,
                 command=["/usr/bin/node"],
                 name=f"{volume}-fill",
@@ -393,12 +455,12 @@ class Engine:
             )
             try:
                 with archive.open("rb") as data:
-                    if not self.api.put_archive(helper["Id"], "/fill", data):
+                    if not api.put_archive(helper["Id"], "/fill", data):
                         raise EngineUnavailable(f"The engine refused to fill the volume {volume}")
             finally:
-                self.api.remove_container(helper["Id"], force=True)
+                api.remove_container(helper["Id"], force=True)
 
-        await self._run(fill)
+        await self._run(fill, lane=self.bulk_lane)
 
     async def remove_volume(self, name: str) -> bool:
         """Removes a volume; False (and kept) while a container still uses it."""
@@ -417,9 +479,9 @@ class Engine:
         return await self._run(remove)
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            client.close()
 
 
 def _owner_alive(labels: dict[str, str] | None) -> bool:

@@ -217,8 +217,11 @@ class WarmPool:
         self._wake()
 
     async def run(self) -> None:
-        """Refills the pool until `close`; removes the containers it still holds on the way out."""
+        """Refills the pool until `close`; removes the containers it still holds on the way out. Run
+        again after a failure (the supervisor restarts it), it starts over with what the pool holds."""
         self._running = True
+        if self.stopped.is_set() and not self.closed:
+            self.stopped = anyio.Event()
         try:
             async with anyio.create_task_group() as group:
                 self._group = group

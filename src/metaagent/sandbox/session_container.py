@@ -12,12 +12,17 @@ Calls and file requests are made one at a time (the session service serialises t
 not end at its deadline, or that is killed, is interrupted (an `i` frame: the supervisor sends SIGINT
 to the program); if it does not answer within the grace period the container is killed and the
 session ends.
+
+A kill never waits on a caller: before the engine is asked, the session's download is cut (its bytes are
+dropped as they come, and its response is ended, see `Download.cut`) and the service's side of the attach
+stream is shut, so the engine can finish the container whatever a client reads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -29,7 +34,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from metaagent.errors import sole_error
 from metaagent.executions import Execution
 from metaagent.sandbox import session_wire as wire
-from metaagent.sandbox.engine import Engine
+from metaagent.sandbox.engine import Engine, EngineUnavailable
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Prepared, first_of
 from metaagent.sandbox.output import CappedBuffer, OutputListener, OutputSink, Stream
 
@@ -99,6 +104,9 @@ class Download:
     modified_at: str
     chunks: AsyncIterator[bytes]
     close: Callable[[], Awaitable[None]]  # stops taking the bytes (the rest are dropped as they come)
+    # Set when the session ends or is being killed: whoever sends the bytes on stops now, wherever it
+    # waits (a client that does not read), since nothing more will come.
+    cut: anyio.Event
 
 
 class _Pending:
@@ -122,6 +130,14 @@ class _DownloadStream:
         self.receive: MemoryObjectReceiveStream[bytes | None]
         self.send, self.receive = anyio.create_memory_object_stream[bytes | None](_DOWNLOAD_BUFFER_FRAMES)
         self.abandoned = False
+        self.cut = anyio.Event()
+
+    def end(self) -> None:
+        """No more bytes: the reader drops what comes (a send it waits in returns at once) and the
+        consumer's response is ended."""
+        self.abandoned = True
+        self.send.close()
+        self.cut.set()
 
 
 class SessionContainer:
@@ -143,10 +159,13 @@ class SessionContainer:
         self._pending: dict[int, _Pending] = {}
         self._call_id: int | None = None  # the call whose output comes now
         self._download: _DownloadStream | None = None
+        self._last_download: _DownloadStream | None = None  # its response may still be sending what it has
         self._next_id = 1
         self._exited = anyio.Event()
         self._drained = anyio.Event()  # the reader took the last bytes of the stream
         self._raw_stderr = _RawStderr(self)
+        self._killed: anyio.Event | None = None  # set once a kill has done all it can (see `kill`)
+        self.removed = anyio.Event()  # the engine confirmed the container's removal
         prepared.output.redirect(self._decoder, self._raw_stderr)
 
     # --- the session's life ---
@@ -171,25 +190,62 @@ class SessionContainer:
         except BaseExceptionGroup as group_error:
             raise sole_error(group_error) from None
         finally:
+            if not self.ended.is_set():  # a failure in the reader or the exit watch: the session ends too
+                self._end("killed")
             self.prepared.sock.close()
             with anyio.CancelScope(shield=True):
-                await self.engine.remove(self.container_id)
+                await self.remove()
+
+    async def remove(self) -> bool:
+        """Removes the container (once the session ended); False when the engine did not confirm it (the
+        session service retries)."""
+        try:
+            await self.engine.remove(self.container_id)
+        except EngineUnavailable as exc:
+            log.warning("session container %s was not removed: %s", self.container_id[:12], exc.message)
+            return False
+        self.removed.set()
+        return True
 
     async def kill(self, reason: str) -> None:
-        """Ends the session now: the container is killed (and removed once the reader stops)."""
+        """Ends the session now: its download is cut, the container killed (and removed once the reader
+        stops). One kill at a time: a second caller waits for the first one's. If the engine does not
+        confirm the kill within its deadline the session still ends here; `run`'s removal (`force`) and
+        the session service's retries of it finish the container."""
         if self.end_reason is None:
             self.end_reason = reason
+        self._cut_download()
         with anyio.CancelScope(shield=True):
-            await self.engine.kill(self.container_id, "SIGKILL")
-            with anyio.move_on_after(30):
-                await self._exited.wait()
-        self._end(reason)
+            if self._killed is not None:
+                await self._killed.wait()
+                return
+            self._killed = anyio.Event()
+            # Our side of the attach stream closes first: nothing more is read (the reader sees its end
+            # at once, instead of parsing what the runner still sends), and the engine, whose copy to us
+            # now fails, finishes the container without waiting for anyone to read it.
+            with contextlib.suppress(OSError):
+                self.prepared.sock.shutdown(socket.SHUT_RDWR)
+            try:
+                await self.engine.kill(self.container_id, "SIGKILL")
+            except EngineUnavailable as exc:
+                log.warning("session container %s: the kill was not confirmed: %s", self.container_id[:12], exc.message)
+            else:
+                with anyio.move_on_after(30):
+                    await self._exited.wait()
+            finally:
+                self._end(reason)
+                self._killed.set()
+
+    def _cut_download(self) -> None:
+        if self._download is not None:
+            self._download.end()
+        if self._last_download is not None:
+            self._last_download.cut.set()
 
     def _end(self, reason: str) -> None:
         if self.end_reason is None:
             self.end_reason = reason
-        if self._download is not None:
-            self._download.send.close()
+        self._cut_download()
         for pending in self._pending.values():
             pending.done.set()
         self.ended.set()
@@ -398,7 +454,7 @@ class SessionContainer:
         request_id = self._new_id()
         pending = self._expect(request_id)
         download = _DownloadStream(request_id)
-        self._download = download
+        self._download = self._last_download = download
         await self._send(wire.request(wire.GET, id=request_id, path=path))
         with anyio.move_on_after(self.file_timeout_s):
             await first_of(download.begun, pending.done, self.ended)
@@ -414,6 +470,8 @@ class SessionContainer:
                         return
                     yield chunk
                 raise SessionGone(self.end_reason or "exited")  # the stream closed before the end
+            except anyio.ClosedResourceError:
+                raise SessionGone(self.end_reason or "exited") from None
             finally:
                 download.abandoned = True
                 download.receive.close()
@@ -422,7 +480,7 @@ class SessionContainer:
             download.abandoned = True
             download.receive.close()
 
-        return Download(download.size, download.modified_at, chunks(), close)
+        return Download(download.size, download.modified_at, chunks(), close, download.cut)
 
     async def list(self) -> dict[str, Any]:
         request_id = self._new_id()

@@ -84,6 +84,14 @@ class SessionClosed(BaseModel):
     closed: bool = True
 
 
+class SessionEnding(SessionClosed):
+    """A close whose container removal the engine did not confirm in time (a 202): the session has ended
+    (its id answers 410 `closed`) and the service's reaper removes the container."""
+
+    closed: bool = False
+    ending: bool = True
+
+
 class FileWritten(BaseModel):
     path: str
     size: int

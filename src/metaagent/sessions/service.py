@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -26,6 +26,7 @@ import anyio
 import anyio.abc
 
 from metaagent.audit import AuditLog
+from metaagent.background import logged
 from metaagent.errors import (
     AtCapacity,
     Gone,
@@ -37,7 +38,7 @@ from metaagent.errors import (
     UpstreamTimeout,
 )
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
-from metaagent.sandbox.execute import STDOUT_CAP, prepare, session_payload, wait_ready
+from metaagent.sandbox.execute import STDOUT_CAP, first_of, prepare, session_payload, wait_ready
 from metaagent.sandbox.output import OutputSink
 from metaagent.sandbox.session_container import (
     CallOutcome,
@@ -54,6 +55,7 @@ from metaagent.sessions.models import (
     FileWritten,
     SessionClosed,
     SessionCreateRequest,
+    SessionEnding,
     SessionExecuteRequest,
     SessionExecuteResponse,
     SessionRecord,
@@ -68,6 +70,10 @@ TOMBSTONE_S = 2 * 3600  # the contract asks for "at least an hour"
 MAX_TOMBSTONES = 100_000
 RESULT_CAP = STDOUT_CAP
 _REAP_INTERVAL_S = 1.0
+_REMOVE_RETRY_S = 5.0  # between the reaper's retries of a removal the engine did not confirm
+# How long a close waits for the container's removal after the kill (which has its own deadline): the
+# removal's deadline and a margin.
+_CLOSE_WAIT_S = 20.0
 # Ends the service caused, as opposed to the process ending by itself: a call cut by one was killed.
 _SERVICE_ENDS = frozenset({"closed", "idle", "lifetime", "killed", "stopped", "timeout"})
 
@@ -100,6 +106,7 @@ class Session:
     turn: anyio.Semaphore = field(default_factory=lambda: anyio.Semaphore(1))
     resources: AsyncExitStack = field(default_factory=AsyncExitStack)
     retired: anyio.Event = field(default_factory=anyio.Event)
+    unremoved: anyio.Event = field(default_factory=anyio.Event)  # ended, and the engine did not confirm the removal
     container_path: str = "cold"
     security: dict[str, Any] = field(default_factory=dict)  # the container's, as its audit record gives it
 
@@ -153,26 +160,38 @@ class Sessions:
         self._open: dict[str, Session] = {}
         self._ended: OrderedDict[str, Ended] = OrderedDict()
         self._group: anyio.abc.TaskGroup | None = None
+        # Ended sessions whose container the engine did not confirm removed: when the reaper retries.
+        self._unremoved: dict[str, float] = {}
         self.closing = False
 
     # --- the service's side ---
 
     async def run(self) -> None:
-        """Holds the sessions' reader tasks and reaps idle and expired sessions until cancelled."""
+        """Holds the sessions' own tasks (each one's life, each kill the reaper starts) until cancelled.
+        Each of them logs its own failure: none ends another."""
         async with anyio.create_task_group() as group:
             self._group = group
             try:
-                while True:
-                    await anyio.sleep(_REAP_INTERVAL_S)
-                    self._reap()
+                await anyio.sleep_forever()
             finally:
                 self._group = None
+
+    async def reap(self) -> None:
+        """Ends idle and expired sessions, and retries the removal of ended ones' containers, until cancelled."""
+        while True:
+            await anyio.sleep(_REAP_INTERVAL_S)
+            self._reap()
 
     def _reap(self) -> None:
         now = time.monotonic()
         for session in list(self._open.values()):
-            if session.container is None:
+            container = session.container
+            if container is None:
                 continue  # still being created
+            if container.ended.is_set():
+                if session.session_id in self._unremoved and now >= self._unremoved[session.session_id]:
+                    self._spawn(self._finish, session, container, what=f"the removal of {session.session_id}")
+                continue
             idle_s = now - session.last_used_mono
             if now - session.created_mono >= session.lifetime_s:
                 self._end_soon(session, "lifetime")
@@ -183,9 +202,23 @@ class Sessions:
         ):
             self._ended.popitem(last=False)
 
+    def _spawn(self, job: Callable[..., Awaitable[object]], *args: Any, what: str) -> None:
+        if self._group is not None:
+            self._group.start_soon(logged, what, job, *args)
+
     def _end_soon(self, session: Session, reason: str) -> None:
-        if self._group is not None and session.container is not None and not session.container.ended.is_set():
-            self._group.start_soon(session.container.kill, reason)
+        if session.container is not None and not session.container.ended.is_set():
+            self._spawn(session.container.kill, reason, what=f"the end of session {session.session_id}")
+
+    async def _finish(self, session: Session, container: SessionContainer) -> None:
+        """Retries the removal of an ended session's container; once the engine confirms it, it retires."""
+        retry_at = self._unremoved.pop(session.session_id, None)
+        if retry_at is None:
+            return  # another tick's retry runs
+        if await container.remove():
+            await self._retire(session, container.end_reason or "exited")
+        else:
+            self._unremoved[session.session_id] = time.monotonic() + _REMOVE_RETRY_S
 
     def begin_close_all(self, reason: str) -> None:
         """Refuses new sessions and starts ending every open one (at a shutdown signal)."""
@@ -355,10 +388,17 @@ class Sessions:
 
         try:
             await container.run(header, on_ready=ready)
+        except Exception:
+            if not started:
+                raise  # the creation's: its caller answers
+            log.exception("session %s failed; it has ended", session.session_id)
         finally:
             with anyio.CancelScope(shield=True):
-                if started:
+                if started and container.removed.is_set():
                     await self._retire(session, container.end_reason or "exited")
+                elif started:  # the engine did not confirm the removal: the reaper retries it
+                    self._unremoved[session.session_id] = time.monotonic() + _REMOVE_RETRY_S
+                    session.unremoved.set()
 
     async def _retire(self, session: Session, reason: str) -> None:
         self._open.pop(session.session_id, None)
@@ -377,11 +417,15 @@ class Sessions:
             )
 
     async def close(self, session_id: str, caller: Caller) -> SessionClosed:
+        """Ends the session; answers once its container is gone, or, when the engine does not confirm that
+        within its deadlines, `SessionEnding` (the session has ended; the reaper removes the container)."""
         session = self.get(session_id, caller)
         if session.container is not None:
             await session.container.kill("closed")
-        with anyio.move_on_after(30):
-            await session.retired.wait()
+        with anyio.move_on_after(_CLOSE_WAIT_S):
+            await first_of(session.retired, session.unremoved)
+        if not session.retired.is_set():
+            return SessionEnding(session_id=session_id)
         return SessionClosed(session_id=session_id)
 
     # --- calls and file requests, one at a time ---

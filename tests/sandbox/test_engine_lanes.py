@@ -1,0 +1,104 @@
+"""Every engine call has its own deadline and a lane of threads sized for its purpose (issue 22, item 4):
+kills and removals never queue behind blocked calls, and an engine that does not answer costs a call its
+deadline, with an error that names the call.
+
+The engine is made slow only on a private dockerd (tests/sandbox/private_engine.py), never the shared one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import replace
+
+import anyio
+import docker
+import pytest
+
+from metaagent.sandbox.engine import CALLS, CONTROL, Engine, EngineTimeout
+from metaagent.sandbox.image import image_tag
+from tests.sandbox.private_engine import PrivateEngine, private_engine
+
+pytestmark = [pytest.mark.docker]
+
+# Failsafes only: far above a deadline under test, far below docker-py's 60 s socket timeout that a
+# call without a deadline of its own used to wait.
+FAILSAFE_S = 45
+
+
+@pytest.fixture
+def engine() -> Iterator[PrivateEngine]:
+    with private_engine() as started:
+        yield started
+
+
+@pytest.mark.slow
+async def test_a_call_the_engine_never_answers_is_abandoned_at_its_deadline_with_an_error_naming_it(
+    engine: PrivateEngine,
+) -> None:
+    driver = Engine(engine.url, lanes=(replace(CONTROL, deadline_s=1.0), replace(CALLS, deadline_s=1.0)))
+    assert engine.process is not None
+    try:
+        await driver.ping()  # it answers while it runs
+        os.kill(engine.process.pid, signal.SIGSTOP)  # the private engine hangs: it accepts and never answers
+        try:
+            with anyio.fail_after(FAILSAFE_S):
+                with pytest.raises(EngineTimeout, match=r"did not answer \(kill\) within 1 s"):
+                    await driver.kill("0" * 64, "SIGKILL")
+                with pytest.raises(EngineTimeout, match=r"did not answer \(remove\) within 1 s"):
+                    await driver.remove("0" * 64)
+                with pytest.raises(EngineTimeout, match=r"did not answer \(inspect_container\) within 1 s"):
+                    await driver.state("0" * 64)
+        finally:
+            os.kill(engine.process.pid, signal.SIGCONT)
+        with anyio.fail_after(FAILSAFE_S):
+            await driver.ping()  # the lanes' threads came back: the engine is served again
+    finally:
+        driver.close()
+
+
+async def test_kills_and_removals_do_not_queue_behind_calls_that_hold_every_thread_of_their_lane(
+    docker_client: docker.DockerClient,
+) -> None:
+    def sleeper(name: str) -> str:
+        container = docker_client.containers.run(
+            image_tag(),
+            ["/usr/bin/node", "-e", "setTimeout(() => {}, 600000)"],
+            name=f"metaagent-lanes-{name}-{os.getpid()}",
+            detach=True,
+            network_disabled=True,
+        )
+        return str(container.id)
+
+    blocker, victim = sleeper("blocker"), sleeper("victim")
+    driver = Engine(lanes=(replace(CALLS, threads=2),))
+    try:
+        done: list[str] = []
+
+        async def hold_a_thread() -> None:  # a call of the CALLS lane that blocks until `blocker` exits
+            await driver._run(driver.api.wait, blocker, timeout=None)
+            done.append("wait")
+
+        async def inspect_behind_them() -> None:
+            await driver.state(blocker)
+            done.append("inspect")
+
+        with anyio.fail_after(FAILSAFE_S):
+            async with anyio.create_task_group() as group:
+                group.start_soon(hold_a_thread)
+                group.start_soon(hold_a_thread)
+                await anyio.sleep(0.5)
+                group.start_soon(inspect_behind_them)  # queued: its lane has no thread free
+                await driver.kill(victim, "SIGKILL")
+                await driver.remove(victim)
+                assert done == []  # the kill and the removal went through while the CALLS lane was full
+                assert victim not in [c.id for c in docker_client.containers.list(all=True, sparse=True)]
+                await driver.kill(blocker, "SIGKILL")  # the waits return, then the queued inspect runs
+        assert sorted(done) == ["inspect", "wait", "wait"]
+    finally:
+        driver.close()
+        for container_id in (blocker, victim):
+            with contextlib.suppress(docker.errors.NotFound):
+                docker_client.api.remove_container(container_id, force=True)
