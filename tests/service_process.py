@@ -8,6 +8,7 @@ two readings).
 from __future__ import annotations
 
 import re
+import resource
 import signal
 import subprocess
 import time
@@ -47,11 +48,16 @@ class ServiceProcess:
 
 
 @contextmanager
-def service_process(tmp_path: Path, **env: str) -> Iterator[ServiceProcess]:
-    """Runs the service with these environment variables (no warm pool unless asked: these tests run no code)."""
+def service_process(tmp_path: Path, open_files: int | None = None, **env: str) -> Iterator[ServiceProcess]:
+    """Runs the service with these environment variables (no warm pool unless asked: these tests run no
+    code), and with `open_files` as its RLIMIT_NOFILE (soft and hard) if given."""
     env = {"METAAGENT_POOL_ENABLED": "false", **env}
     port = free_port()
     stderr_path = tmp_path / "service-stderr.log"
+
+    def limit_open_files() -> None:  # only setrlimit, which is safe between fork and exec
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
     with stderr_path.open("wb") as stderr:
         process = subprocess.Popen(
             [*METAAGENT, "serve", "--port", str(port)],
@@ -59,6 +65,7 @@ def service_process(tmp_path: Path, **env: str) -> Iterator[ServiceProcess]:
             env=clean_env(tmp_path, **env),
             stdout=subprocess.DEVNULL,
             stderr=stderr,
+            preexec_fn=None if open_files is None else limit_open_files,
         )
     service = ServiceProcess(f"http://127.0.0.1:{port}", port, process, stderr_path)
     try:

@@ -20,6 +20,7 @@ from metaagent.api.errors import install_error_handlers
 from metaagent.api.tools import tools_router
 from metaagent.body_limit import LimitRequestBody
 from metaagent.catalogue import TOOLS
+from metaagent.disconnects import LogHangUps
 from metaagent.egress.allowlist import AllowList
 from metaagent.hosts import CheckHostAndOrigin, transport_security
 from metaagent.mcp_server import SessionLimits, build_server, mount_mcp
@@ -68,8 +69,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.keys = keys
     app.state.configuration = config
     security = transport_security(settings.allowed_hosts)  # one setting: every route and /mcp alike
-    # Outermost last: the Host and Origin check runs first (421/403 before anything else), then the key
-    # check, so a caller without a key gets a 401 before any body is read.
+    # Outermost last: the Host and Origin check runs first (421/403 before anything else; only the hang-up
+    # log is outside it), then the key check, so a caller without a key gets a 401 before any body is read.
     app.add_middleware(
         LimitRequestBody,
         max_bytes=settings.max_request_body_bytes,
@@ -77,6 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(RequireApiKey, keys=keys)
     app.add_middleware(CheckHostAndOrigin, security=security)
+    app.add_middleware(LogHangUps)  # outermost: a hang-up anywhere inside is one info line
     app.include_router(tools_router(TOOLS))
     app.include_router(executions.router)
     app.include_router(sessions.router)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 from collections.abc import Iterator
@@ -109,14 +110,16 @@ def serve(
 ) -> None:
     """Start the HTTP service (and the MCP endpoint at /mcp)."""
     from metaagent.access import check_listen_address
+    from metaagent.serving import connection_limits, uvicorn_config
 
     service = _service_app()
     try:
         check_listen_address(host, service.state.keys)
+        limits = connection_limits(service.state.configuration.settings)
     except ConfigError as exc:
         raise _fail(f"metaagent: refusing to start: {exc}") from None
-    config = uvicorn.Config(service, host=host, port=port, log_config=None, timeout_graceful_shutdown=15)
-    GracefulServer(config, service).run()
+    logging.getLogger("metaagent").info("connections: %s", limits.describe())
+    GracefulServer(uvicorn_config(service, limits, host, port), service).run()
 
 
 @app.command()

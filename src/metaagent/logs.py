@@ -20,6 +20,8 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
+from metaagent.disconnects import DropHangUpTracebacks
+
 # Every character some reader (a terminal, `str.splitlines`, a browser, a JSON viewer) ends a line at, or
 # that hides text: C0 controls, DEL, C1 controls (NEL is U+0085), the Unicode line and paragraph
 # separators. Lone surrogates are escaped too: UTF-8 cannot carry them, and a write would fail.
@@ -92,6 +94,7 @@ def formatter(log_format: str) -> logging.Formatter:
 def configure(log_format: str = "text", level: int = logging.INFO) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter(log_format))
+    handler.addFilter(DropHangUpTracebacks())  # a hang-up is one info line, never a traceback
     root = logging.getLogger()
     for existing in list(root.handlers):
         root.removeHandler(existing)

@@ -123,6 +123,15 @@ class Settings(BaseSettings):
     sandbox_tunnel_rate: float = Field(default=50.0, gt=0, le=10_000)
     sandbox_extra_ca_certs: Path | None = None
 
+    # Connections (see metaagent.serving): the request line and headers must arrive within
+    # `client_header_timeout_s`, each chunk of a request body within `client_body_timeout_s` of the one
+    # before, an idle kept-alive connection is closed after `keep_alive_timeout_s`, and at most
+    # `max_connections` are open at once (None: half the process's open-file limit).
+    client_header_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    client_body_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    keep_alive_timeout_s: float = Field(default=5.0, gt=0, le=300)
+    max_connections: int | None = Field(default=None, ge=1)
+
     # Operations.
     audit_log: Path = Path("metaagent-audit.jsonl")
     log_format: str = Field(default="text", pattern="^(text|json)$")

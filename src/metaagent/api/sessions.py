@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mimetypes
 from collections.abc import AsyncIterator, Awaitable, Callable
+from urllib.parse import unquote_to_bytes
 
 import anyio
 from fastapi import APIRouter, Body, Request, Response
@@ -28,7 +29,7 @@ from metaagent.sessions.models import (
     SessionList,
     SessionRecord,
 )
-from metaagent.sessions.paths import workspace_path
+from metaagent.sessions.paths import decoded_workspace_path, workspace_path
 
 
 class _AnyPath(Convertor[str]):
@@ -47,7 +48,7 @@ register_url_convertor("anypath", _AnyPath())
 
 router = APIRouter(prefix="/sessions", tags=["sessions"], route_class=StrictJsonRoute)
 
-FILES_PREFIX = "/files/"
+FILES_SEGMENT = b"files"
 
 
 @router.post(
@@ -108,7 +109,7 @@ async def list_files(session_id: str, request: Request) -> FileList:
     responses=error_responses(400, 404, 410, 413, 507),
 )
 async def put_file(session_id: str, path: str, request: Request) -> FileWritten:
-    checked = workspace_path(_raw_file_path(request, session_id, path))
+    checked = _file_path(request, session_id, path)
     return await services(request).sessions.put_file(session_id, checked, request.stream(), current_tenant())
 
 
@@ -119,7 +120,7 @@ async def put_file(session_id: str, path: str, request: Request) -> FileWritten:
     response_model=None,
 )
 async def get_file(session_id: str, path: str, request: Request) -> StreamingResponse:
-    checked = workspace_path(_raw_file_path(request, session_id, path))
+    checked = _file_path(request, session_id, path)
     opened = services(request).sessions.read_file(session_id, checked, current_tenant())
     download = await opened.__aenter__()
     done = False
@@ -180,17 +181,21 @@ class _Download(StreamingResponse):
 
 @router.delete("/{session_id}/files/{path:anypath}", summary="Delete a file", responses=error_responses(400, 404, 410))
 async def delete_file(session_id: str, path: str, request: Request) -> FileDeleted:
-    checked = workspace_path(_raw_file_path(request, session_id, path))
+    checked = _file_path(request, session_id, path)
     return await services(request).sessions.delete_file(session_id, checked, current_tenant())
 
 
-def _raw_file_path(request: Request, session_id: str, decoded: str) -> bytes:
-    """The file path as the client wrote it (percent-encoded), so that it is decoded exactly once, by the
-    workspace rules, whatever the server decoded for routing."""
+def _file_path(request: Request, session_id: str, decoded: str) -> str:
+    """The checked workspace path, percent-decoded exactly once. It is read from the path as the client
+    wrote it, so that bytes that are not UTF-8 are refused rather than replaced; the prefix is matched
+    segment by segment, decoded, so a prefix written percent-encoded (`ses%5F...`) is found too. If it
+    cannot be found (no `raw_path`, or a `%2F` in the prefix), the router's decoded path is checked as
+    it is, never decoded a second time."""
     raw: bytes | None = request.scope.get("raw_path")
-    marker = f"/sessions/{session_id}{FILES_PREFIX}".encode()
     if raw is not None:
-        at = raw.find(marker)
-        if at != -1:
-            return raw[at + len(marker) :].split(b"?", 1)[0]
-    return decoded.encode("utf-8", "surrogateescape")
+        segments = raw.split(b"?", 1)[0].split(b"/")
+        prefix = [b"sessions", session_id.encode("utf-8", "surrogateescape"), FILES_SEGMENT]
+        for at in range(len(segments) - len(prefix)):
+            if [unquote_to_bytes(s) for s in segments[at : at + len(prefix)]] == prefix:
+                return workspace_path(b"/".join(segments[at + len(prefix) :]))
+    return decoded_workspace_path(decoded.encode("utf-8", "surrogateescape"))

@@ -14,7 +14,11 @@ MAX_SEGMENT_BYTES = 255
 
 def workspace_path(raw: bytes) -> str:
     """The checked path a percent-encoded request path names; raises RequestRefused (400)."""
-    data = unquote_to_bytes(raw)
+    return decoded_workspace_path(unquote_to_bytes(raw))
+
+
+def decoded_workspace_path(data: bytes) -> str:
+    """The checked path of a request path already percent-decoded (it is not decoded again)."""
     if not data:
         raise _refused("it is empty; name a file, e.g. data/input.csv")
     try:

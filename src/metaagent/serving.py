@@ -1,0 +1,400 @@
+"""How the service is served: uvicorn, with deadlines on every connection and a cap on how many are open.
+
+uvicorn's own settings cover part of it (`timeout_keep_alive`, `h11_max_incomplete_event_size`), and
+`metaagent serve` sets them. What uvicorn lacks is added here, in a subclass of its h11 protocol that
+uvicorn is configured with (`http=`):
+
+- the request line and headers must arrive within `METAAGENT_CLIENT_HEADER_TIMEOUT_S` of the connection
+  (or, on a kept-alive connection, of the request's first byte); past it, a 408 if a byte came, else the
+  connection is closed without a word;
+- while a request body is being sent, each chunk must come within `METAAGENT_CLIENT_BODY_TIMEOUT_S` of
+  the one before, or of the route asking for more (the clock does not run while the service itself
+  holds reading back, or before it asked a client that waits for `100 Continue`); past it, the
+  connection is closed, and the route sees a disconnect (`metaagent.disconnects` logs one line);
+- at most `METAAGENT_MAX_CONNECTIONS` connections are open at once (by default half the process's
+  open-file limit, so that the engine, the egress proxy, sessions and the audit log always have
+  descriptors). At the cap, a new connection first takes the place of the oldest one that has no request
+  in flight (idle, or still sending its request line and headers, or done with its answer): a connection
+  the service is not working for costs its holder, not other callers. Only when every open connection
+  has a request in flight is the new one refused: a 503 JSON answer, then the connection is closed.
+
+uvicorn's `limit_concurrency` is not used: it accepts the connection anyway (its descriptor is spent) and
+answers only once a request line arrives, in plain text. httptools is not used either (not installed;
+the h11 protocol is what runs and what is subclassed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from metaagent.disconnects import CLOSED_REASON_SCOPE_KEY
+from metaagent.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from metaagent.settings import Settings
+
+log = logging.getLogger("metaagent.connections")
+
+# The largest request line and headers together (h11's default, set explicitly): past it, a 400.
+MAX_HEAD_BYTES = 16 * 1024
+# An explicit METAAGENT_MAX_CONNECTIONS may use at most this share of the open-file limit.
+MAX_SHARE_OF_NOFILE = 0.75
+# A refused connection is read (and discarded) for this long after its 503 before it is closed, so that
+# the answer is not lost to a reset; at most `_LINGERING_MAX` refused connections linger at once.
+_REFUSAL_LINGER_S = 1.0
+_LINGERING_MAX = 64
+# Warnings about the cap are written at most this often, with a count of what happened in between.
+_PRESSURE_LOG_INTERVAL_S = 60.0
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    header_timeout_s: float
+    body_timeout_s: float
+    keep_alive_timeout_s: float
+    max_connections: int
+    nofile: int
+
+    def describe(self) -> str:
+        return (
+            f"at most {self.max_connections} connections open (open-file limit {self.nofile}), "
+            f"request line and headers within {self.header_timeout_s:g} s, each body chunk within "
+            f"{self.body_timeout_s:g} s, idle keep-alive {self.keep_alive_timeout_s:g} s"
+        )
+
+
+def open_file_limit() -> int:
+    """The process's soft RLIMIT_NOFILE (a large stand-in when it is unlimited)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 1 << 20 if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def connection_limits(settings: Settings, nofile: int | None = None) -> ConnectionLimits:
+    """The limits from the settings, the cap derived from the open-file limit unless set; a ConfigError
+    if the cap set leaves the rest of the service too few descriptors."""
+    nofile = open_file_limit() if nofile is None else nofile
+    ceiling = math.floor(nofile * MAX_SHARE_OF_NOFILE)
+    cap = settings.max_connections
+    if cap is None:
+        cap = max(1, nofile // 2)
+    elif cap > ceiling:
+        raise ConfigError(
+            f"METAAGENT_MAX_CONNECTIONS={cap} is too close to the open-file limit of {nofile} (at most "
+            f"{ceiling}, three quarters of it, so that the engine, sessions and the audit log keep "
+            "descriptors): lower it, or raise the limit (ulimit -n, LimitNOFILE= under systemd)"
+        )
+    return ConnectionLimits(
+        header_timeout_s=settings.client_header_timeout_s,
+        body_timeout_s=settings.client_body_timeout_s,
+        keep_alive_timeout_s=settings.keep_alive_timeout_s,
+        max_connections=cap,
+        nofile=nofile,
+    )
+
+
+def uvicorn_config(app: FastAPI, limits: ConnectionLimits, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        timeout_graceful_shutdown=15,
+        http=guarded_protocol(limits),
+        ws="none",  # the service has no WebSocket route
+        # uvicorn's own idle timer (whole seconds); the protocol closes idle connections on the exact deadline.
+        timeout_keep_alive=math.ceil(limits.keep_alive_timeout_s),
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+    )
+
+
+@dataclass
+class _Pressure:
+    """A warning at most every `_PRESSURE_LOG_INTERVAL_S`, with the count of the events it stands for."""
+
+    message: str
+    count: int = 0
+    last_logged: float = -math.inf
+
+    def note(self, now: float, limits: ConnectionLimits) -> None:
+        self.count += 1
+        if now - self.last_logged >= _PRESSURE_LOG_INTERVAL_S:
+            log.warning(self.message, limits.max_connections, self.count)
+            self.count = 0
+            self.last_logged = now
+
+
+@dataclass
+class ConnectionGuard:
+    """The state the connections of one server share: how many are open, and which have no request in
+    flight, oldest first (a dict keeps insertion order)."""
+
+    limits: ConnectionLimits
+    open: int = 0
+    lingering: int = 0
+    waiting: dict[GuardedH11Protocol, None] = field(default_factory=dict)
+    evictions: _Pressure = field(
+        default_factory=lambda: _Pressure(
+            "at the connection cap (%d, METAAGENT_MAX_CONNECTIONS): closed %d connection(s) with no request in "
+            "flight to make room for new ones"
+        )
+    )
+    refusals: _Pressure = field(
+        default_factory=lambda: _Pressure(
+            "at the connection cap (%d, METAAGENT_MAX_CONNECTIONS) with a request in flight on every one: "
+            "refused %d new connection(s) with 503"
+        )
+    )
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
+    """A protocol class for one server, its connections sharing one guard."""
+
+    class Protocol(GuardedH11Protocol):
+        guard = ConnectionGuard(limits)
+
+    return Protocol
+
+
+def _raw_json_response(status: int, reason: str, message: str, extra_headers: str = "") -> bytes:
+    body = json.dumps({"error": message}).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        f"connection: close\r\n{extra_headers}\r\n"
+    )
+    return head.encode() + body
+
+
+class _Flow(FlowControl):
+    """uvicorn's flow control, telling the protocol each time the route asks for more of the body (uvicorn
+    resumes reading then, and sends a `100 Continue` first if the client waits for one): the body clock
+    starts again from there."""
+
+    def __init__(self, transport: asyncio.Transport, on_resume: Callable[[], None]) -> None:
+        super().__init__(transport)
+        self._on_resume = on_resume
+
+    def resume_reading(self) -> None:
+        super().resume_reading()
+        self._on_resume()
+
+
+class _Refused(asyncio.Protocol):
+    """A connection refused at the cap, after its 503: what it sends is discarded until it closes or the
+    linger ends."""
+
+    def __init__(self, guard: ConnectionGuard, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self.guard = guard
+        self.transport = transport
+        guard.lingering += 1
+        self.timer = loop.call_later(_REFUSAL_LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool:
+        self.transport.close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.timer.cancel()
+        self.guard.lingering -= 1
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the deadlines and the cap described in the module docstring."""
+
+    guard: ClassVar[ConnectionGuard]
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._counted = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = math.inf
+        self._head_started: float | None = None  # when the request line being waited for began (or the connection)
+        self._head_bytes = 0  # bytes of it received so far
+        self._idle_since: float | None = None  # when the last answer was sent
+        self._last_read = 0.0  # the last body progress: bytes received, or reading resumed
+
+    # --- the cap ---------------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's signature
+        guard = self.guard
+        if guard.open >= guard.limits.max_connections and not self._evict_one():
+            self._refuse(transport)
+            return
+        guard.open += 1
+        self._counted = True
+        super().connection_made(transport)
+        self.flow = _Flow(transport, self._reading_resumed)
+        self._head_started = self.loop.time()
+        self._update()
+
+    def _evict_one(self) -> bool:
+        guard = self.guard
+        if not guard.waiting:
+            return False
+        victim = next(iter(guard.waiting))
+        victim._forget()
+        victim._cancel_timer()
+        if not victim.transport.is_closing():
+            victim.transport.close()
+        guard.evictions.note(self.loop.time(), guard.limits)
+        return True
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        guard = self.guard
+        guard.refusals.note(self.loop.time(), guard.limits)
+        transport.write(
+            _raw_json_response(
+                503,
+                "Service Unavailable",
+                f"Too many connections: this service holds at most {guard.limits.max_connections} at once "
+                "(METAAGENT_MAX_CONNECTIONS) and each has a request in flight; retry shortly",
+                "retry-after: 1\r\n",
+            )
+        )
+        if guard.lingering >= _LINGERING_MAX or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        transport.set_protocol(_Refused(guard, transport, self.loop))
+
+    def _forget(self) -> None:
+        """No longer counted against the cap (closed, or closing to make room)."""
+        if self._counted:
+            self._counted = False
+            self.guard.open -= 1
+        self.guard.waiting.pop(self, None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.flow is None:  # refused: the _Refused protocol took over before uvicorn saw it
+            return
+        self._forget()
+        self._cancel_timer()
+        super().connection_lost(exc)
+
+    # --- the deadlines ---------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        now = self.loop.time()
+        if self.conn.their_state is h11.IDLE:
+            if self._head_started is None:
+                self._head_started = now  # a kept-alive connection's next request begins
+            self._head_bytes += len(data)
+        self._last_read = now
+        super().data_received(data)
+        self._update()
+
+    def on_response_complete(self) -> None:
+        self._idle_since = self.loop.time()
+        self._head_started = None
+        self._head_bytes = 0
+        super().on_response_complete()
+        self._update()
+
+    def _reading_resumed(self) -> None:
+        if self.conn.their_state is h11.SEND_BODY:
+            self._last_read = self.loop.time()
+            self._update()
+
+    def _in_flight(self) -> bool:
+        """A request whose answer is not complete: the service is working for this connection."""
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _update(self) -> None:
+        """Keeps the guard's list of waiting connections and this connection's deadline up to date."""
+        if self.transport.is_closing():
+            return
+        if self._in_flight():
+            self.guard.waiting.pop(self, None)
+        elif self not in self.guard.waiting:
+            self.guard.waiting[self] = None
+        if self.conn.their_state is not h11.IDLE:
+            self._head_started = None
+            self._head_bytes = 0
+        due = self._deadline()
+        if due is None:
+            return
+        if self._timer is None or due < self._timer_due:
+            # A later deadline leaves the armed timer alone: when it fires, it re-arms for the new one.
+            self._cancel_timer()
+            self._timer_due = due
+            self._timer = self.loop.call_at(due, self._check)
+
+    def _deadline(self) -> float | None:
+        limits = self.guard.limits
+        their_state = self.conn.their_state
+        if their_state is h11.IDLE:
+            if self._head_started is not None:
+                return self._head_started + limits.header_timeout_s
+            if self._idle_since is not None:
+                return self._idle_since + limits.keep_alive_timeout_s
+            return None
+        if their_state is h11.SEND_BODY:
+            if self.flow.read_paused or (self.cycle is not None and self.cycle.waiting_for_100_continue):
+                return None  # the service holds the body back, or has not asked for it yet: not the client's wait
+            return self._last_read + limits.body_timeout_s
+        return None  # the whole request is in (or the connection is ending): the route's own deadlines hold
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._timer_due = math.inf
+
+    def _check(self) -> None:
+        self._timer = None
+        self._timer_due = math.inf
+        if self.transport.is_closing():
+            return
+        due = self._deadline()
+        if due is None:
+            return
+        if self.loop.time() < due:
+            self._update()
+            return
+        self._expire()
+
+    def _expire(self) -> None:
+        limits = self.guard.limits
+        their_state = self.conn.their_state
+        if their_state is h11.SEND_BODY:
+            reason = (
+                f"no request body bytes came for {limits.body_timeout_s:g} s (METAAGENT_CLIENT_BODY_TIMEOUT_S); "
+                "the service closed the connection"
+            )
+            if self.scope is not None:
+                self.scope[CLOSED_REASON_SCOPE_KEY] = reason  # type: ignore[literal-required]  # our own key
+        elif self._head_started is not None and self._head_bytes:
+            self.transport.write(
+                _raw_json_response(
+                    408,
+                    "Request Timeout",
+                    f"Request timeout: the request line and headers did not arrive within "
+                    f"{limits.header_timeout_s:g} s (METAAGENT_CLIENT_HEADER_TIMEOUT_S)",
+                )
+            )
+        self._forget()
+        self.transport.close()

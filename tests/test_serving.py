@@ -1,0 +1,286 @@
+"""Connections cost their holder, not the service: the deadlines and the connection cap of a real
+`metaagent serve` process, with real sockets on 127.0.0.1 and a real open-file limit."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from metaagent.errors import ConfigError
+from metaagent.serving import connection_limits
+from metaagent.settings import Settings
+from tests.service_process import ServiceProcess, service_process
+
+KEY = "alice-key-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CLOSE_WAIT_S = 60
+HEAD = "Host: 127.0.0.1\r\n"
+HALF_BODY = (
+    f"POST /tools/code-interpreter HTTP/1.1\r\n{HEAD}Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    '{"code": "'
+).encode()
+# Every way to hold a connection without finishing a request.
+STALLED = {
+    "nothing sent": b"",
+    "half a request line": b"GET /tools HT",
+    "half the headers": f"GET /tools HTTP/1.1\r\n{HEAD}Accept: appl".encode(),
+    "half a body": HALF_BODY,
+    "idle after an answer": f"GET /health HTTP/1.1\r\n{HEAD}\r\n".encode(),
+}
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a reset counts as closed)."""
+    sock.settimeout(CLOSE_WAIT_S)
+    received = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return received
+        if not chunk:
+            return received
+        received += chunk
+
+
+def response_parts(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in header_lines)
+    return int(status_line.split(" ")[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def wait_for_log(service: ServiceProcess, needle: str) -> str:
+    deadline = time.monotonic() + CLOSE_WAIT_S
+    while needle not in service.stderr():
+        assert time.monotonic() < deadline, f"no {needle!r} in the log: {service.stderr()}"
+        time.sleep(0.1)
+    return service.stderr()
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.fixture
+def enough_open_files() -> Iterator[None]:
+    """This test process holds over a thousand sockets: its own limit is raised for the test."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 4096
+    if soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, max(hard, wanted)))
+        except (ValueError, OSError):
+            pytest.skip(f"this test needs {wanted} open files and the hard limit is {hard}")
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.fixture(scope="module")
+def quick_deadlines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    with service_process(
+        tmp_path_factory.mktemp("deadlines"),
+        METAAGENT_CLIENT_HEADER_TIMEOUT_S="1",
+        METAAGENT_CLIENT_BODY_TIMEOUT_S="2",
+        METAAGENT_KEEP_ALIVE_TIMEOUT_S="1",
+    ) as service:
+        yield service
+
+
+# --- the deadlines -------------------------------------------------------------------------------------
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("kind", list(STALLED))
+def test_each_kind_of_stalled_connection_is_closed_by_the_service_after_its_deadline(
+    quick_deadlines: ServiceProcess, kind: str
+) -> None:
+    deadline_s = {"half a body": 2.0}.get(kind, 1.0)
+    with socket.create_connection(("127.0.0.1", quick_deadlines.port), timeout=30) as sock:
+        started = time.monotonic()
+        sock.sendall(STALLED[kind])
+        received = read_until_closed(sock)
+        waited = time.monotonic() - started
+    assert waited >= 0.9 * deadline_s, received  # closed by the deadline, not before it
+    if kind == "nothing sent":
+        assert received == b""
+    elif kind in ("half a request line", "half the headers"):
+        status, headers, body = response_parts(received)
+        assert status == 408
+        assert headers["content-type"] == "application/json"
+        assert headers["connection"] == "close"
+        assert "METAAGENT_CLIENT_HEADER_TIMEOUT_S" in json.loads(body)["error"]
+    elif kind == "half a body":
+        assert received == b""  # the route had the request; the service closed it under the route
+        log = wait_for_log(quick_deadlines, "no request body bytes came for 2 s")
+        line = next(line for line in log.splitlines() if "no request body bytes came" in line)
+        assert '"POST /tools/code-interpreter HTTP/1.1" closed after 10 of 1000 request body bytes' in line
+        assert line.startswith("info: ")
+    else:
+        status, _, _ = response_parts(received)
+        assert status == 200  # answered, then closed once idle
+
+
+@pytest.mark.security
+def test_a_slow_request_line_and_headers_are_timed_as_a_whole_not_per_byte(quick_deadlines: ServiceProcess) -> None:
+    head = f"GET /health HTTP/1.1\r\n{HEAD}X-Slow: {'a' * 40}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", quick_deadlines.port), timeout=30) as sock:
+        for byte in head:
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break  # closed under the drip
+            time.sleep(0.05)
+        received = read_until_closed(sock)
+    assert response_parts(received)[0] == 408
+
+
+@pytest.mark.security
+def test_the_body_deadline_is_per_chunk_a_body_that_keeps_coming_is_never_cut_and_one_that_stops_is(
+    quick_deadlines: ServiceProcess,
+) -> None:
+    body = json.dumps({"code": "1", "padding": "x" * 100}).encode()
+    chunks = [body[i : i + 4] for i in range(0, len(body), 4)]  # 30 chunks, 0.1 s apart: past the 2 s deadline
+    head = (
+        f"POST /tools/code-interpreter HTTP/1.1\r\n{HEAD}Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", quick_deadlines.port), timeout=30) as sock:
+        started = time.monotonic()
+        sock.sendall(head.encode())
+        for chunk in chunks:
+            time.sleep(0.1)
+            sock.sendall(chunk)
+        assert time.monotonic() - started > 2
+        status, _, answer = response_parts(read_until_closed(sock))
+    assert status == 422, answer  # the whole body arrived and was judged: `padding` is not a field
+    with socket.create_connection(("127.0.0.1", quick_deadlines.port), timeout=30) as sock:
+        sock.sendall(head.encode() + b"".join(chunks[:10]))
+        assert read_until_closed(sock) == b""  # the same body, stopped a third of the way: closed
+
+
+# --- the cap -------------------------------------------------------------------------------------------
+
+
+def test_the_cap_is_half_the_open_file_limit_unless_set_and_a_cap_too_close_to_it_refuses_to_start() -> None:
+    assert connection_limits(Settings(), nofile=1024).max_connections == 512
+    assert connection_limits(Settings(max_connections=700), nofile=1024).max_connections == 700
+    with pytest.raises(ConfigError, match=r"METAAGENT_MAX_CONNECTIONS=900 .* open-file limit of 1024 \(at most 768"):
+        connection_limits(Settings(max_connections=900), nofile=1024)
+
+
+def test_serve_refuses_a_connection_cap_too_close_to_the_open_file_limit(tmp_path: Path) -> None:
+    with (
+        pytest.raises(AssertionError, match="at most 768"),
+        service_process(tmp_path, open_files=1024, METAAGENT_MAX_CONNECTIONS="900"),
+    ):
+        pass  # pragma: no cover -- it must not start
+
+
+@pytest.mark.security
+def test_at_the_cap_a_new_connection_takes_the_place_of_the_oldest_one_without_a_request(tmp_path: Path) -> None:
+    with service_process(tmp_path, METAAGENT_MAX_CONNECTIONS="3") as service:
+        idle = [socket.create_connection(("127.0.0.1", service.port), timeout=30) for _ in range(3)]
+        time.sleep(0.5)  # accepted, in order
+        try:
+            assert httpx2.get(f"{service.base}/health", timeout=30).status_code == 200
+            assert read_until_closed(idle[0]) == b""  # the oldest made room
+            assert "closed 1 connection(s) with no request in flight" in wait_for_log(service, "connection cap")
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+@pytest.mark.security
+def test_at_the_cap_with_a_request_in_flight_on_every_connection_a_new_one_is_refused_with_a_503(
+    tmp_path: Path,
+) -> None:
+    with service_process(tmp_path, METAAGENT_MAX_CONNECTIONS="3") as service:
+        busy = [socket.create_connection(("127.0.0.1", service.port), timeout=30) for _ in range(3)]
+        try:
+            for sock in busy:
+                sock.sendall(HALF_BODY)
+            time.sleep(0.5)  # each is in its route, waiting for the rest of its body
+            refused = httpx2.get(f"{service.base}/health", timeout=30)
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "1"
+            assert "METAAGENT_MAX_CONNECTIONS" in refused.json()["error"]
+            assert "refused 1 new connection(s) with 503" in wait_for_log(service, "connection cap")
+            busy.pop(0).close()  # one holder lets go: there is room again
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            while httpx2.get(f"{service.base}/health", timeout=30).status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        finally:
+            for sock in busy:
+                sock.close()
+
+
+@pytest.mark.security
+def test_a_thousand_stalled_connections_under_a_1024_descriptor_limit_hold_few_descriptors_and_a_keyed_client_is_served(
+    tmp_path: Path, enough_open_files: None
+) -> None:
+    with service_process(
+        tmp_path,
+        open_files=1024,
+        METAAGENT_API_KEYS=f"alice:{KEY}",
+        # Long deadlines: what keeps the service up here is the cap, not a deadline that ran out.
+        METAAGENT_CLIENT_HEADER_TIMEOUT_S="300",
+        METAAGENT_CLIENT_BODY_TIMEOUT_S="600",
+        METAAGENT_KEEP_ALIVE_TIMEOUT_S="300",
+    ) as service:
+        answers: list[int | str] = []
+        stop = threading.Event()
+
+        def keyed_client() -> None:  # one kept-alive connection, asking all along
+            with httpx2.Client(base_url=service.base, headers=AUTH, timeout=30) as client:
+                while not stop.is_set():
+                    try:
+                        answers.append(client.get("/tools").status_code)
+                    except httpx2.TransportError as exc:
+                        answers.append(repr(exc))
+
+        thread = threading.Thread(target=keyed_client)
+        thread.start()
+        stalled: list[socket.socket] = []
+        most_fds = 0
+        try:
+            kinds = list(STALLED.values())
+            for batch in range(10):
+                for i in range(100):
+                    sock = socket.create_connection(("127.0.0.1", service.port), timeout=30)
+                    stalled.append(sock)
+                    with contextlib.suppress(OSError):  # already closed to make room: the cap at work
+                        sock.sendall(kinds[(batch * 100 + i) % len(kinds)])
+                    if i % 10 == 9:
+                        time.sleep(0.01)  # a flood, not a burst inside one idle gap of the kept-alive client
+                # A new keyed client, on a fresh connection, between every hundred.
+                fresh = httpx2.get(f"{service.base}/tools", headers=AUTH, timeout=30)
+                assert fresh.status_code == 200, (batch, fresh.text)
+                most_fds = max(most_fds, open_fds(service.process.pid))
+            for _ in range(20):
+                assert httpx2.get(f"{service.base}/tools", headers=AUTH, timeout=30).status_code == 200
+        finally:
+            stop.set()
+            thread.join(60)
+            for sock in stalled:
+                sock.close()
+        assert answers, "the kept-alive client was never answered"
+        assert set(answers) == {200}, [a for a in answers if a != 200][:5]
+        assert most_fds < 1024 * 3 // 4
+        assert service.process.poll() is None
+        log = service.stderr()
+        assert "Too many open files" not in log
+        assert not [line for line in log.splitlines() if line.startswith("error")], log
+        assert "at most 512 connections open (open-file limit 1024)" in log
+        assert "connection cap (512" in log
