@@ -239,3 +239,41 @@ def labelled_containers(client: docker.DockerClient, label: str) -> list[str]:
 def owned_containers(client: docker.DockerClient, pid: int) -> list[str]:
     """The containers of the service process `pid`: its executions' and its warm pool's."""
     return labelled_containers(client, f"org.metaagent.owner-pid={pid}")
+
+
+# --- sessions ---
+
+
+class Sessions:
+    """A caller of one service's session routes."""
+
+    def __init__(self, service: Service, key: str | None = None) -> None:
+        self.service = service
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def request(self, method: str, path: str, headers: dict[str, str] | None = None, **kwargs: Any) -> httpx2.Response:
+        headers = {**self.headers, **(headers or {})}
+        return httpx2.request(method, f"{self.service.base_url}{path}", headers=headers, timeout=120, **kwargs)
+
+    def create(self, **body: Any) -> str:
+        response = self.request("POST", "/sessions", json=body or None)
+        assert response.status_code == 201, response.text
+        session_id: str = response.json()["session_id"]
+        return session_id
+
+    def run(self, session_id: str, code: str, timeout_s: int = 5) -> dict[str, Any]:
+        response = self.request("POST", f"/sessions/{session_id}/execute", json={"code": code, "timeout_s": timeout_s})
+        assert response.status_code == 200, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    def close(self, session_id: str) -> httpx2.Response:
+        return self.request("DELETE", f"/sessions/{session_id}")
+
+
+@pytest.fixture
+def sessions(sandbox_service: Service) -> Iterator[Sessions]:
+    client = Sessions(sandbox_service)
+    yield client
+    for record in client.request("GET", "/sessions").json()["sessions"]:
+        client.close(record["session_id"])

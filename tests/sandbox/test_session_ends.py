@@ -20,9 +20,9 @@ import httpx2
 import pytest
 
 from metaagent.sandbox.image import image_tag
-from tests.sandbox.conftest import Service, audit_records, labelled_containers, running_service
+from tests.sandbox.conftest import Service, Sessions, audit_records, labelled_containers, running_service
 from tests.sandbox.private_engine import PrivateEngine, private_engine
-from tests.sandbox.test_sessions import ALICE, BOB, Sessions
+from tests.sandbox.test_sessions import ALICE, BOB
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
 

@@ -7,23 +7,13 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx2
 import pytest
 
-from tests.sandbox.conftest import Service
-from tests.sandbox.test_sessions import Sessions
+from tests.sandbox.conftest import Sessions
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
-
-
-@pytest.fixture
-def sessions(sandbox_service: Service) -> Iterator[Sessions]:
-    client = Sessions(sandbox_service)
-    yield client
-    for record in client.request("GET", "/sessions").json()["sessions"]:
-        client.close(record["session_id"])
 
 
 # Replaces every method and getter of every built-in prototype and namespace the program can reach

@@ -10,14 +10,13 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import docker
 import httpx2
 import pytest
 
 from metaagent.sandbox.runtime import RUNC
-from tests.sandbox.conftest import Service, audit_records, labelled_containers, running_service, runtime_of
+from tests.sandbox.conftest import Service, Sessions, audit_records, labelled_containers, running_service, runtime_of
 from tests.sandbox.test_gate import HOSTILE, PASSWD_LINE, SANDBOX_PASSWD_LINE, Hostile
 
 pytestmark = [pytest.mark.docker]
@@ -25,41 +24,6 @@ pytestmark = [pytest.mark.docker]
 PATH_REFUSED = "ERR_METAAGENT_PATH_REFUSED"
 ALICE = "alice-key-0123456789abcdef"
 BOB = "bob-key-0123456789abcdefgh"
-
-
-class Sessions:
-    """A caller of one service's session routes."""
-
-    def __init__(self, service: Service, key: str | None = None) -> None:
-        self.service = service
-        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-
-    def request(self, method: str, path: str, headers: dict[str, str] | None = None, **kwargs: Any) -> httpx2.Response:
-        headers = {**self.headers, **(headers or {})}
-        return httpx2.request(method, f"{self.service.base_url}{path}", headers=headers, timeout=120, **kwargs)
-
-    def create(self, **body: Any) -> str:
-        response = self.request("POST", "/sessions", json=body or None)
-        assert response.status_code == 201, response.text
-        session_id: str = response.json()["session_id"]
-        return session_id
-
-    def run(self, session_id: str, code: str, timeout_s: int = 5) -> dict[str, Any]:
-        response = self.request("POST", f"/sessions/{session_id}/execute", json={"code": code, "timeout_s": timeout_s})
-        assert response.status_code == 200, response.text
-        body: dict[str, Any] = response.json()
-        return body
-
-    def close(self, session_id: str) -> httpx2.Response:
-        return self.request("DELETE", f"/sessions/{session_id}")
-
-
-@pytest.fixture
-def sessions(sandbox_service: Service) -> Iterator[Sessions]:
-    client = Sessions(sandbox_service)
-    yield client
-    for record in client.request("GET", "/sessions").json()["sessions"]:
-        client.close(record["session_id"])
 
 
 @pytest.fixture(scope="module")
