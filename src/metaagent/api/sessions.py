@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import unquote_to_bytes
 
 import anyio
+import anyio.to_thread
 from fastapi import APIRouter, Body, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.convertors import Convertor, register_url_convertor
@@ -97,9 +98,16 @@ async def execute_in_session(session_id: str, body: SessionExecuteRequest, reque
     return JSONResponse(response.model_dump(mode="json"))
 
 
-@router.get("/{session_id}/files", summary="Every regular file in the workspace", responses=error_responses(404, 410))
-async def list_files(session_id: str, request: Request) -> FileList:
-    return await services(request).sessions.list_files(session_id, current_tenant())
+@router.get(
+    "/{session_id}/files",
+    summary="Every regular file in the workspace",
+    response_model=FileList,
+    responses=error_responses(404, 410),
+)
+async def list_files(session_id: str, request: Request) -> Response:
+    listing = await services(request).sessions.list_files(session_id, current_tenant())
+    # Up to 10,000 entries: written off the event loop.
+    return Response(await anyio.to_thread.run_sync(listing.model_dump_json), media_type="application/json")
 
 
 @router.put(

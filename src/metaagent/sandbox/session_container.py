@@ -20,6 +20,7 @@ stream is shut, so the engine can finish the container whatever a client reads.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from metaagent.errors import sole_error
@@ -192,6 +194,7 @@ class SessionContainer:
         finally:
             if not self.ended.is_set():  # a failure in the reader or the exit watch: the session ends too
                 self._end("killed")
+            _forget_descriptor(self.prepared.sock)
             self.prepared.sock.close()
             with anyio.CancelScope(shield=True):
                 await self.remove()
@@ -273,6 +276,10 @@ class SessionContainer:
 
     async def _dispatch(self, frames: list[wire.Frame]) -> None:
         for frame in frames:
+            if frame.deferred:
+                frame = wire.Frame(
+                    frame.kind, frame.payload, await anyio.to_thread.run_sync(wire.message_of, frame.payload)
+                )
             if frame.kind in (wire.STDOUT, wire.STDERR):
                 stream: Stream = "stdout" if frame.kind == wire.STDOUT else "stderr"
                 self._window[stream] += len(frame.payload)
@@ -319,6 +326,9 @@ class SessionContainer:
                     download.abandoned = True
         else:  # END
             self._download = None
+            if download.received < download.size:  # the file shrank while it was sent: cut the response
+                download.end()
+                return
             if not download.abandoned:
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                     await download.send.send(None)
@@ -335,12 +345,33 @@ class SessionContainer:
         self._next_id += 1
         return self._next_id
 
-    async def _send(self, data: bytes) -> None:
-        try:
-            await self.prepared.send(data)
-        except OSError:
-            await self.kill("exited")
-            raise SessionGone(self.end_reason or "exited") from None
+    async def _send(self, data: bytes, within_s: float | None = None) -> None:
+        """Writes to the container's stdin, within the file deadline and never past the session's end: a
+        stopped container stops reading, and a send left waiting on its socket would keep a writer
+        registered on a descriptor that is closed, and then reused by another caller's connection."""
+        if self.ended.is_set():
+            raise SessionGone(self.end_reason or "exited")
+        sent = False
+        async with anyio.create_task_group() as group:
+
+            async def stop_at_the_end() -> None:
+                await self.ended.wait()
+                group.cancel_scope.cancel()
+
+            group.start_soon(stop_at_the_end)
+            try:
+                with anyio.move_on_after(self.file_timeout_s if within_s is None else within_s):
+                    await self.prepared.send(data)
+                    sent = True
+            except OSError:
+                group.cancel_scope.cancel()
+                await self.kill("exited")
+                raise SessionGone(self.end_reason or "exited") from None
+            group.cancel_scope.cancel()
+        if not sent:
+            if not self.ended.is_set():  # the container took nothing for the whole deadline
+                await self.kill("timeout")
+            raise SessionGone(self.end_reason or "timeout")
 
     async def call(
         self, code: str, timeout_s: float, execution: Execution, sink: OutputSink | None = None
@@ -357,8 +388,12 @@ class SessionContainer:
             output.listen(sink.output)
         started = time.monotonic()
         execution.state = "running"
-        await self._send(wire.request(wire.EXECUTE, id=request_id, code=code))
         timed_out = killed = False
+        try:
+            # Within the call's own deadline: a container that does not take its code ends the session.
+            await self._send(wire.request(wire.EXECUTE, id=request_id, code=code), within_s=timeout_s)
+        except SessionGone:
+            timed_out = self.end_reason == "timeout"  # the ended outcome below answers the call
         try:
             with anyio.move_on_after(timeout_s):
                 await first_of(pending.done, self.ended, execution.kill_requested)
@@ -465,13 +500,22 @@ class SessionContainer:
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
-                async for chunk in download.receive:
+                while True:
+                    chunk: bytes | None = None
+                    # Each piece within the file deadline: a container that stops sending ends its session.
+                    with anyio.move_on_after(self.file_timeout_s) as waiting:
+                        chunk = await download.receive.receive()
+                    if waiting.cancelled_caught:
+                        if not self.ended.is_set():
+                            await self.kill("timeout")
+                        raise SessionGone(self.end_reason or "timeout")
                     if chunk is None:
                         return
                     yield chunk
-                raise SessionGone(self.end_reason or "exited")  # the stream closed before the end
-            except anyio.ClosedResourceError:
-                raise SessionGone(self.end_reason or "exited") from None
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                if download.cut.is_set():  # the response is being cut (see Download.cut): it cancels this wait
+                    await anyio.sleep(self.file_timeout_s)
+                raise SessionGone(self.end_reason or "exited") from None  # the stream closed before the end
             finally:
                 download.abandoned = True
                 download.receive.close()
@@ -493,6 +537,21 @@ class SessionContainer:
         pending = self._expect(request_id)
         await self._send(wire.request(wire.DELETE, id=request_id, path=path))
         await self._reply(request_id, pending)
+
+
+def _forget_descriptor(sock: socket.socket) -> None:
+    """Drops what the event loop still watches on the socket's descriptor before it is closed (a send or
+    a read that a cancelled caller left registered), so a later socket with the same number is not
+    confused with it."""
+    try:
+        fd = sock.fileno()
+    except (OSError, ValueError, AttributeError):
+        return
+    if fd < 0:
+        return
+    loop = asyncio.get_running_loop()
+    loop.remove_writer(fd)
+    loop.remove_reader(fd)
 
 
 class FileTooLarge(Exception):

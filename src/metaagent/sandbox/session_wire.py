@@ -48,11 +48,17 @@ def data_frames(chunk: bytes) -> list[bytes]:
     return [encode(DATA, chunk[i : i + CHUNK]) for i in range(0, len(chunk), CHUNK)]
 
 
+# A JSON frame longer than this (a listing of thousands of files) is parsed off the event loop, by its
+# reader (`Frame.deferred`, `message_of`), so that one large reply does not hold every other caller.
+LARGE_MESSAGE = 256 * 1024
+
+
 @dataclass(frozen=True)
 class Frame:
     kind: bytes
     payload: bytes
     message: dict[str, Any] | None = None  # the decoded JSON of REPLY, FILE and END frames
+    deferred: bool = False  # a large JSON frame, not parsed yet: `message_of(payload)` parses it
 
     @property
     def id(self) -> int | None:
@@ -86,7 +92,17 @@ class FrameDecoder:
                 return
             payload = bytes(self._pending[HEADER.size : end])
             del self._pending[:end]
-            self._frames.append(Frame(kind, payload, _message(payload) if kind in _JSON_TYPES else None))
+            if kind not in _JSON_TYPES:
+                self._frames.append(Frame(kind, payload))
+            elif length > LARGE_MESSAGE:
+                self._frames.append(Frame(kind, payload, deferred=True))
+            else:
+                self._frames.append(Frame(kind, payload, _message(payload)))
+
+
+def message_of(payload: bytes) -> dict[str, Any]:
+    """The checked JSON object of a deferred frame; raises WireError."""
+    return _message(payload)
 
 
 def _message(payload: bytes) -> dict[str, Any]:

@@ -4,6 +4,7 @@ control character (C0, DEL, C1), at most 1024 bytes in all. Anything else is a 4
 
 from __future__ import annotations
 
+import re
 from urllib.parse import unquote_to_bytes
 
 from metaagent.errors import RequestRefused
@@ -48,11 +49,13 @@ def checked_path(path: str) -> str:
             raise _refused(f"it has a {segment!r} segment; name the file itself")
         if len(segment.encode()) > MAX_SEGMENT_BYTES:
             raise _refused(f"a segment is longer than {MAX_SEGMENT_BYTES} bytes")
-        for char in segment:
-            code = ord(char)
-            if code < 0x20 or 0x7F <= code <= 0x9F:
-                raise _refused(f"it holds the control character U+{code:04X}")
+    control = _CONTROL.search(path)
+    if control is not None:
+        raise _refused(f"it holds the control character U+{ord(control.group()):04X}")
     return path
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1
 
 
 def _refused(why: str) -> RequestRefused:

@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 
 from metaagent.audit import AuditLog
 from metaagent.background import logged
@@ -575,12 +576,12 @@ class Sessions:
             except (FileRefused, SessionGone) as exc:
                 raise _file_error(session, "", exc) from None
         try:
-            files = _checked_listing(reply)
+            # Up to 10,000 entries: checked, and sorted below, off the event loop.
+            files = await anyio.to_thread.run_sync(_checked_sorted_listing, reply)
         except ValueError as exc:  # the supervisor never sends one: the container is not to be believed
             log.warning("session %s sent a listing that breaks the rules (%s); ending it", session_id, exc)
             await container.kill("killed")
             raise _file_error(session, "", SessionGone("killed")) from None
-        files.sort(key=lambda f: f.path.encode())
         return FileList(files=files)
 
     async def delete_file(self, session_id: str, path: str, tenant: Caller) -> FileDeleted:
@@ -674,6 +675,12 @@ __all__ = ["SessionLimits", "Sessions"]
 
 
 _MAX_LISTED = 10_000  # as runner/supervisor.js
+
+
+def _checked_sorted_listing(reply: dict[str, Any]) -> list[FileInfo]:
+    files = _checked_listing(reply)
+    files.sort(key=lambda f: f.path.encode())
+    return files
 
 
 def _checked_listing(reply: dict[str, Any]) -> list[FileInfo]:

@@ -31,6 +31,12 @@ const BufferConcat = Buffer.concat;
 const BufferFrom = Buffer.from;
 const StringPrototypeIncludes = String.prototype.includes;
 const fsRead = fs.read;
+// What the request loop uses on the supervisor's bytes, captured: the program can replace the
+// prototypes' versions (a replaced Buffer#toString rewrote every later call's code before it ran).
+const BufferPrototypeToString = Buffer.prototype.toString;
+const BufferPrototypeReadUInt32BE = Buffer.prototype.readUInt32BE;
+const TypedArrayPrototypeSubarray = Uint8Array.prototype.subarray;
+const StringFromCharCode = String.fromCharCode;
 
 const WORKSPACE = '/workspace';
 const ROOTS = [WORKSPACE, '/tmp'];
@@ -171,7 +177,7 @@ function runSession({ stdio, gate, initial, unixSockets }) {
   function handle(type, payload) {
     let request;
     try {
-      request = JSONParse(payload.toString('utf8'));
+      request = JSONParse(ReflectApply(BufferPrototypeToString, payload, ['utf8']));
     } catch {
       return badFrame('a request is not JSON');
     }
@@ -188,12 +194,12 @@ function runSession({ stdio, gate, initial, unixSockets }) {
   const readBuffer = BufferAlloc(CHUNK);
   function consume() {
     while (pending.length >= HEADER) {
-      const type = String.fromCharCode(pending[0]);
-      const length = pending.readUInt32BE(1);
+      const type = StringFromCharCode(pending[0]);
+      const length = ReflectApply(BufferPrototypeReadUInt32BE, pending, [1]);
       if (length > MAX_INPUT_FRAME) return badFrame(`a frame of ${length} bytes`);
       if (pending.length < HEADER + length) return undefined;
-      const payload = pending.subarray(HEADER, HEADER + length);
-      pending = pending.subarray(HEADER + length);
+      const payload = ReflectApply(TypedArrayPrototypeSubarray, pending, [HEADER, HEADER + length]);
+      pending = ReflectApply(TypedArrayPrototypeSubarray, pending, [HEADER + length]);
       handle(type, BufferFrom(payload));
     }
     return undefined;
@@ -203,7 +209,7 @@ function runSession({ stdio, gate, initial, unixSockets }) {
     ReflectApply(fsRead, fs, [0, readBuffer, 0, CHUNK, null, (error, size) => {
       if (error && error.code === 'EAGAIN') return setTimeout(readMore, 5);
       if (error || size === 0) process.exit(0); // the supervisor closed the program's stdin
-      pending = BufferConcat([pending, readBuffer.subarray(0, size)]);
+      pending = BufferConcat([pending, ReflectApply(TypedArrayPrototypeSubarray, readBuffer, [0, size])]);
       consume();
       return readMore();
     }]);

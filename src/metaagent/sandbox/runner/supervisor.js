@@ -45,6 +45,7 @@ const CHUNK = 64 * 1024;
 const MAX_RESULT_BYTES = 64 * 1024; // the service keeps 50 KiB of it
 // What the service keeps of each stream per call: STDOUT_CAP and STDERR_CAP in sandbox/execute.py.
 const OUTPUT_BUDGET = { __proto__: null, o: 50 * 1024, e: 25 * 1024 };
+const OUTPUT_FLUSH_MS = 20; // how long output may wait to share a frame (streaming's added latency)
 const MAX_LISTED = 10000;
 const MAX_DEPTH = 64;
 const PART_SUFFIX = '.metaagent-part';
@@ -56,6 +57,13 @@ const { constants } = fs;
 const { S_IFMT, S_IFDIR, S_IFREG } = constants;
 const isFolder = (stat) => (stat.mode & S_IFMT) === S_IFDIR;
 const isRegular = (stat) => (stat.mode & S_IFMT) === S_IFREG;
+// A file's modification time in ISO 8601, held to the years 1970-9999 that every reader parses (a
+// program can set any time with utimes; one past JavaScript's dates would make toISOString throw).
+const LATEST_MS = Date.UTC(9999, 11, 31, 23, 59, 59, 999);
+const modifiedAt = (stat) => {
+  const ms = Number(stat.mtimeMs);
+  return new Date(Number.isFinite(ms) ? Math.min(Math.max(ms, 0), LATEST_MS) : 0).toISOString();
+};
 
 function frame(type, payload) {
   const header = Buffer.alloc(HEADER);
@@ -134,12 +142,36 @@ function runSupervisor({ stdio, programHeader, initial }) {
   let preamble = Buffer.alloc(0); // the program's stderr until its ready line has been taken off
   let programReady = false;
 
+  // What is kept is sent in frames of whatever came within OUTPUT_FLUSH_MS (or CHUNK bytes), not one
+  // frame per write: a program that writes a byte at a time costs the service no more frames than one
+  // that writes them at once.
+  const held = { __proto__: null, o: [], e: [] };
+  const heldBytes = { __proto__: null, o: 0, e: 0 };
+  let flushTimer = null;
+
+  function flush() {
+    if (flushTimer !== null) {
+      clearTimeout(flushTimer);
+      flushTimer = null;
+    }
+    for (const type of ['o', 'e']) {
+      if (heldBytes[type] === 0) continue;
+      const bytes = Buffer.concat(held[type]);
+      held[type] = [];
+      heldBytes[type] = 0;
+      for (let offset = 0; offset < bytes.length; offset += CHUNK) send(type, bytes.subarray(offset, offset + CHUNK));
+    }
+  }
+
   function output(type, bytes) {
     const room = OUTPUT_BUDGET[type] - window[type];
     const kept = bytes.length <= room ? bytes : bytes.subarray(0, room);
     if (kept.length > 0) {
       window[type] += kept.length;
-      send(type, kept);
+      held[type].push(kept);
+      heldBytes[type] += kept.length;
+      if (heldBytes[type] >= CHUNK) flush();
+      else if (flushTimer === null) flushTimer = setTimeout(flush, OUTPUT_FLUSH_MS);
     }
     skipped[type] += bytes.length - kept.length;
   }
@@ -197,6 +229,7 @@ function runSupervisor({ stdio, programHeader, initial }) {
     // Whatever the program wrote before it answered belongs to this call: take it off the pipes first.
     drainNow(programStdout, (bytes) => output('o', bytes));
     drainNow(programStderr, stderrBytes);
+    flush();
     checked.stdout_skipped = skipped.o;
     checked.stderr_skipped = skipped.e;
     window = { __proto__: null, o: 0, e: 0 };
@@ -221,6 +254,7 @@ function runSupervisor({ stdio, programHeader, initial }) {
   program.on('exit', (code, signal) => {
     drainNow(programStdout, (bytes) => output('o', bytes));
     drainNow(programStderr, stderrBytes);
+    flush();
     process.exit(code !== null ? code : 128 + (signals[signal] || 9));
   });
 
@@ -370,7 +404,7 @@ function runSupervisor({ stdio, programHeader, initial }) {
     const { fd, stat } = opened;
     try {
       // Exactly the size it had when opened: a file the program grows meanwhile ends there.
-      send('f', Buffer.from(JSON.stringify({ id, size: stat.size, modified_at: stat.mtime.toISOString() }), 'utf8'));
+      send('f', Buffer.from(JSON.stringify({ id, size: stat.size, modified_at: modifiedAt(stat) }), 'utf8'));
       const buffer = Buffer.alloc(CHUNK);
       let left = stat.size;
       while (left > 0) {
@@ -432,7 +466,7 @@ function runSupervisor({ stdio, programHeader, initial }) {
         const shown = relative === '' ? name : `${relative}/${name}`;
         if (Buffer.byteLength(shown) > 1024) continue;
         if (isFolder(stat) && depth < MAX_DEPTH) visit(path, shown, depth + 1);
-        else if (isRegular(stat)) found.push({ path: shown, size: stat.size, modified_at: stat.mtime.toISOString() });
+        else if (isRegular(stat)) found.push({ path: shown, size: stat.size, modified_at: modifiedAt(stat) });
       }
     };
     visit(WORKSPACE, '', 0);
