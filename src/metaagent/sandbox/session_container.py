@@ -45,6 +45,7 @@ log = logging.getLogger("metaagent.session")
 READY_TIMEOUT_S = 30.0
 _DOWNLOAD_BUFFER_FRAMES = 16  # frames of 64 KiB held between the runner and a download's client
 _HEAP_EXHAUSTED = "JavaScript heap out of memory"
+_MAX_LISTED = 10_000  # as runner/supervisor.js
 _WINDOW_CAP: dict[Stream, int] = {"stdout": STDOUT_CAP, "stderr": STDERR_CAP}  # as runner/supervisor.js
 
 
@@ -115,6 +116,7 @@ class _Pending:
     def __init__(self) -> None:
         self.done = anyio.Event()
         self.message: dict[str, Any] = {}
+        self.listed: list[Any] = []  # the pieces of a listing that came so far (`more: true`)
 
     def settle(self, message: dict[str, Any]) -> None:
         self.message = message
@@ -292,9 +294,19 @@ class SessionContainer:
                     self._call_id = None
                     self._output = CallOutput()
                     self._window = {"stdout": 0, "stderr": 0}
-                pending = self._pending.pop(frame.id or 0, None)
+                message = frame.message or {}
+                pending = self._pending.get(frame.id or 0)
+                if pending is not None and message.get("more") is True:  # a piece of a listing
+                    files = message.get("files")
+                    if not isinstance(files, list) or len(pending.listed) + len(files) > _MAX_LISTED:
+                        raise wire.WireError("a listing's pieces that are not lists of at most 10,000 files")
+                    pending.listed.extend(files)
+                    continue
+                self._pending.pop(frame.id or 0, None)
                 if pending is not None:
-                    pending.settle(frame.message or {})
+                    if pending.listed and isinstance(message.get("files"), list):
+                        message = {**message, "files": pending.listed + message["files"]}
+                    pending.settle(message)
             else:
                 await self._to_download(frame)
 

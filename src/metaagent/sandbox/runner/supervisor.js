@@ -19,7 +19,8 @@
 //   z {id}             the end of it             d <bytes>   a piece of it
 //   a {id}             abandon it                z {id}      the end of it
 //   g {id, path}       read a file
-//   l {id}             list the files
+//   l {id}             list the files        (its answer may come in pieces: every one but the last
+//                                                 says more: true)
 //   D {id, path}       delete a file
 //
 // To the program (its fd 0) go only `x` frames, each with a fresh token for its id; from it (its fd 3)
@@ -47,6 +48,7 @@ const MAX_RESULT_BYTES = 64 * 1024; // the service keeps 50 KiB of it
 const OUTPUT_BUDGET = { __proto__: null, o: 50 * 1024, e: 25 * 1024 };
 const OUTPUT_FLUSH_MS = 20; // how long output may wait to share a frame (streaming's added latency)
 const MAX_LISTED = 10000;
+const LISTING_PIECE = 64 * 1024;
 const MAX_DEPTH = 64;
 const PART_SUFFIX = '.metaagent-part';
 const EXIT_BAD_FRAME = 70;
@@ -470,7 +472,21 @@ function runSupervisor({ stdio, programHeader, initial }) {
       }
     };
     visit(WORKSPACE, '', 0);
-    reply({ id, status: 'ok', files: found, truncated });
+    // In pieces of about LISTING_PIECE bytes of JSON, each `more: true` but the last, so that the service
+    // parses a long listing a piece at a time between its other work rather than in one go.
+    let piece = [];
+    let pieceBytes = 0;
+    for (const entry of found) {
+      const size = Buffer.byteLength(entry.path) + 64;
+      if (piece.length > 0 && pieceBytes + size > LISTING_PIECE) {
+        reply({ id, status: 'ok', files: piece, more: true });
+        piece = [];
+        pieceBytes = 0;
+      }
+      piece.push(entry);
+      pieceBytes += size;
+    }
+    reply({ id, status: 'ok', files: piece, truncated });
   }
 
   // --- the service's requests ---
