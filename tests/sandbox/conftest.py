@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -277,3 +278,34 @@ def sessions(sandbox_service: Service) -> Iterator[Sessions]:
     yield client
     for record in client.request("GET", "/sessions").json()["sessions"]:
         client.close(record["session_id"])
+
+
+def health_latencies(base_url: str, count: int) -> list[float]:
+    """The latencies of `count` GET /health requests in a row, over one connection."""
+    latencies = []
+    with httpx2.Client(base_url=base_url, timeout=60) as client:
+        for _ in range(count):
+            started = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - started)
+    return latencies
+
+
+class HealthProber:
+    """Times /health from another thread until stopped."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.latencies: list[float] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.latencies.extend(health_latencies(self.base_url, 5))
+
+    def stop(self) -> list[float]:
+        self._done.set()
+        self._thread.join()
+        return self.latencies

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,39 +15,9 @@ import docker
 import httpx2
 import pytest
 
-from tests.sandbox.conftest import Service, Sessions, running_service
+from tests.sandbox.conftest import HealthProber, Service, Sessions, health_latencies, running_service
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
-
-
-def _health_latencies(base_url: str, count: int) -> list[float]:
-    latencies = []
-    with httpx2.Client(base_url=base_url, timeout=60) as client:
-        for _ in range(count):
-            started = time.perf_counter()
-            assert client.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - started)
-    return latencies
-
-
-class _Prober:
-    """Times /health from another thread until stopped."""
-
-    def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
-        self.latencies: list[float] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._done.is_set():
-            self.latencies.extend(_health_latencies(self.base_url, 5))
-
-    def stop(self) -> list[float]:
-        self._done.set()
-        self._thread.join()
-        return self.latencies
 
 
 def _service_cpu_s(service: Service) -> float:
@@ -74,11 +43,11 @@ def test_listing_a_workspace_of_ten_thousand_long_paths_leaves_every_caller_serv
     """One session's GET /files held /health for every caller for ~2 s (runsc), each time it is asked, since
     the service checks a listing's ~10 million path characters in one pass without yielding."""
     base_url = sessions.service.base_url
-    _health_latencies(base_url, 5)
-    quiet = statistics.median(_health_latencies(base_url, 20))
+    health_latencies(base_url, 5)
+    quiet = statistics.median(health_latencies(base_url, 20))
     sid = sessions.create()
     assert sessions.run(sid, LONG_PATHS, timeout_s=60)["result"] == "9990"
-    prober = _Prober(base_url)
+    prober = HealthProber(base_url)
     try:
         for _ in range(3):
             listing = sessions.request("GET", f"/sessions/{sid}/files")

@@ -5,13 +5,11 @@ findings 1-3)."""
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 
-import httpx2
 import pytest
 
-from tests.sandbox.conftest import Sessions
+from tests.sandbox.conftest import HealthProber, Sessions, health_latencies
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
 
@@ -157,34 +155,15 @@ setTimeout(flood, 0);
 """
 
 
-def _health_latencies(base_url: str, count: int) -> list[float]:
-    latencies = []
-    with httpx2.Client(base_url=base_url, timeout=60) as client:
-        for _ in range(count):
-            started = time.perf_counter()
-            assert client.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - started)
-    return latencies
-
-
 def test_a_program_that_floods_its_output_between_calls_leaves_every_caller_served(sessions: Sessions) -> None:
     base_url = sessions.service.base_url
-    _health_latencies(base_url, 5)  # warm the connection path
-    quiet = statistics.median(_health_latencies(base_url, 20))
+    health_latencies(base_url, 5)  # warm the connection path
+    quiet = statistics.median(health_latencies(base_url, 20))
     sid = sessions.create()
     assert sessions.run(sid, FLOOD_AFTER_THE_CALL)["result"] == "'flooding'"
-    during: list[float] = []
-    done = threading.Event()
-
-    def probe() -> None:
-        while not done.is_set():
-            during.extend(_health_latencies(base_url, 5))
-
-    prober = threading.Thread(target=probe)
-    prober.start()
+    prober = HealthProber(base_url)
     time.sleep(3)
-    done.set()
-    prober.join()
+    during = prober.stop()
     # Generous ratios to the quiet latency measured just before (the flood once held /health for 8 s).
     assert statistics.median(during) < 25 * quiet, (quiet, sorted(during)[-5:])
     assert max(during) < 250 * quiet, (quiet, sorted(during)[-5:])

@@ -45,7 +45,7 @@ log = logging.getLogger("metaagent.session")
 READY_TIMEOUT_S = 30.0
 _DOWNLOAD_BUFFER_FRAMES = 16  # frames of 64 KiB held between the runner and a download's client
 _HEAP_EXHAUSTED = "JavaScript heap out of memory"
-_MAX_LISTED = 10_000  # as runner/supervisor.js
+MAX_LISTED = 10_000  # the most files a listing holds, as runner/supervisor.js
 _WINDOW_CAP: dict[Stream, int] = {"stdout": STDOUT_CAP, "stderr": STDERR_CAP}  # as runner/supervisor.js
 
 
@@ -298,7 +298,7 @@ class SessionContainer:
                 pending = self._pending.get(frame.id or 0)
                 if pending is not None and message.get("more") is True:  # a piece of a listing
                     files = message.get("files")
-                    if not isinstance(files, list) or len(pending.listed) + len(files) > _MAX_LISTED:
+                    if not isinstance(files, list) or len(pending.listed) + len(files) > MAX_LISTED:
                         raise wire.WireError("a listing's pieces that are not lists of at most 10,000 files")
                     pending.listed.extend(files)
                     continue
@@ -582,4 +582,4 @@ class _RawStderr:
         self._session._output.add("stderr", data)
 
 
-__all__ = ["CallOutcome", "Download", "FileRefused", "FileTooLarge", "SessionContainer", "SessionGone"]
+__all__ = ["MAX_LISTED", "CallOutcome", "Download", "FileRefused", "FileTooLarge", "SessionContainer", "SessionGone"]

@@ -42,6 +42,7 @@ from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
 from metaagent.sandbox.execute import STDOUT_CAP, first_of, prepare, session_payload, wait_ready
 from metaagent.sandbox.output import OutputSink
 from metaagent.sandbox.session_container import (
+    MAX_LISTED,
     CallOutcome,
     Download,
     FileRefused,
@@ -674,9 +675,6 @@ def _response(session_id: str, execution_id: str, outcome: CallOutcome, queued_m
 __all__ = ["SessionLimits", "Sessions"]
 
 
-_MAX_LISTED = 10_000  # as runner/supervisor.js
-
-
 def _checked_sorted_listing(reply: dict[str, Any]) -> list[FileInfo]:
     files = _checked_listing(reply)
     files.sort(key=lambda f: f.path.encode())
@@ -686,7 +684,7 @@ def _checked_sorted_listing(reply: dict[str, Any]) -> list[FileInfo]:
 def _checked_listing(reply: dict[str, Any]) -> list[FileInfo]:
     """The files of a listing reply; ValueError when any part breaks the rules (types, count, paths)."""
     entries = reply.get("files")
-    if not isinstance(entries, list) or len(entries) > _MAX_LISTED:
+    if not isinstance(entries, list) or len(entries) > MAX_LISTED:
         raise ValueError("files is not a list of at most 10,000 entries")
     files = []
     for entry in entries:
