@@ -228,6 +228,7 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
             with anyio.move_on_after(30):
                 await interpreter.pool.stopped.wait()
             await _remove_package_volumes(packages)
+            await _remove_what_is_still_owned(engine)
             with anyio.move_on_after(30):  # what failed runsc starts may have left, which the engine forgot
                 await engine.remove_runtime_leftovers()
             await http.aclose()
@@ -256,6 +257,17 @@ async def _prepare_sandbox(interpreter: CodeInterpreter, build: bool) -> None:
                 await interpreter.runtime_in_force(image.tag)
         except EngineUnavailable as exc:  # chosen on the next execution instead
             log.warning("%s", exc.message)
+
+
+async def _remove_what_is_still_owned(engine: Engine) -> None:
+    """Whatever a removal on the way out left (it failed, or the engine was slow past its deadline)."""
+    try:
+        found = await engine.remove_owned(within_s=20)
+    except EngineUnavailable as exc:
+        log.warning("containers of this service may be left for its next start to remove: %s", exc.message)
+    else:
+        if found:
+            log.warning("removed %d container(s) or volume(s) that the shutdown's own removals left", found)
 
 
 async def _remove_package_volumes(packages: PackageStore) -> None:

@@ -17,8 +17,10 @@ import anyio
 import docker
 import pytest
 
-from metaagent.sandbox.engine import CALLS, CONTROL, Engine, EngineTimeout
+from metaagent.executions import new_execution_id
+from metaagent.sandbox.engine import CALLS, CONTROL, OWNER_PID_LABEL, SERVICE_LABEL, Engine, EngineTimeout
 from metaagent.sandbox.image import image_tag
+from metaagent.tools.code_interpreter import container_spec
 from tests.sandbox.private_engine import PrivateEngine, private_engine
 
 pytestmark = [pytest.mark.docker]
@@ -102,3 +104,34 @@ async def test_kills_and_removals_do_not_queue_behind_calls_that_hold_every_thre
         for container_id in (blocker, victim):
             with contextlib.suppress(docker.errors.NotFound):
                 docker_client.api.remove_container(container_id, force=True)
+
+
+async def test_the_last_step_of_a_shutdown_removes_what_its_engine_made_and_nothing_of_another_engine(
+    docker_client: docker.DockerClient,
+) -> None:
+    """A removal abandoned on the way out (a busy engine past its lane's deadline) left a container that
+    nothing removed until the next start: `remove_owned` finds every container and volume its own Engine
+    made, whatever its owner still knows of them, and leaves another service's in the same process alone."""
+    ours, theirs = Engine(), Engine()
+    labels = {SERVICE_LABEL: "metaagent", OWNER_PID_LABEL: str(os.getpid())}  # as every execution's carry
+
+    async def forgotten_container(engine: Engine) -> str:
+        spec = container_spec(new_execution_id(), image_tag(), 64, 0.5, command=["/usr/bin/node", "-e", "0"])
+        return await engine.create(spec)
+
+    made = [await forgotten_container(ours), await forgotten_container(ours)]
+    volume = f"metaagent-owned-test-{new_execution_id()}"
+    await ours.create_volume(volume, labels)
+    other = await forgotten_container(theirs)
+    try:
+        with anyio.fail_after(FAILSAFE_S):
+            assert await ours.remove_owned(within_s=30) == 3
+        left = {c.id for c in docker_client.containers.list(all=True, sparse=True)}
+        assert left.isdisjoint(made)
+        assert other in left
+        assert volume not in [v.name for v in docker_client.volumes.list()]
+        assert await ours.remove_owned(within_s=30) == 0  # nothing more of its own
+    finally:
+        await theirs.remove(other)
+        ours.close()
+        theirs.close()

@@ -16,6 +16,7 @@ import asyncio
 import functools
 import logging
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Callable
@@ -39,6 +40,9 @@ log = logging.getLogger("metaagent.engine")
 SERVICE_LABEL = "org.metaagent.service"
 EXECUTION_LABEL = "org.metaagent.execution"
 OWNER_PID_LABEL = "org.metaagent.owner-pid"
+# Which Engine created a container or volume: one per service instance (one process may run several, as
+# tests do), so that a shutdown removes exactly what its own service made.
+OWNER_LABEL = "org.metaagent.owner"
 SANDBOX_UID = "1001:1001"
 _SANDBOX_UID_NUMBER = 1001
 SANDBOX_HOSTNAME = "sandbox"
@@ -179,6 +183,7 @@ class Engine:
         self._clients: dict[str, docker.DockerClient] = {}
         self._clients_lock = threading.Lock()
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
+        self.owner = f"{os.getpid()}-{secrets.token_hex(6)}"
 
     @_engine_errors
     def _docker(self, lane: Lane | None = None) -> docker.DockerClient:
@@ -300,7 +305,7 @@ class Engine:
             working_dir="/tmp",
             hostname=SANDBOX_HOSTNAME,
             environment={},
-            labels=spec.labels,
+            labels=self._owned(spec.labels),
             stdin_open=True,  # with detach left false, docker-py also sets StdinOnce: EOF reaches node
             tty=False,
             network_disabled=True,
@@ -411,7 +416,7 @@ class Engine:
 
     async def create_volume(self, name: str, labels: dict[str, str]) -> str:
         """Creates a named local volume; returns its folder on this machine (the engine's Mountpoint)."""
-        created = await self._run(self.api.create_volume, name=name, driver="local", labels=labels)
+        created = await self._run(self.api.create_volume, name=name, driver="local", labels=self._owned(labels))
         return str(created["Mountpoint"])
 
     async def list_service_containers(self) -> list[dict[str, Any]]:
@@ -420,19 +425,33 @@ class Engine:
 
     async def remove_orphans(self) -> int:
         """Removes containers and volumes of service processes that no longer exist (a crash, a SIGKILL)."""
+        removed = await self._remove_service_objects(lambda labels: not _owner_alive(labels))
+        return removed + await self.remove_runtime_leftovers()
+
+    async def remove_owned(self, within_s: float) -> int:
+        """Removes every container and volume this process still owns, and waits (up to `within_s`) until
+        the engine no longer lists them: the last step of a shutdown, so that a removal that failed or was
+        abandoned on the way out (a busy engine past its lane's deadline) leaves nothing behind. Returns how
+        many it found; what is left at the deadline, the next start removes as an orphan's."""
+        found = 0
+        with anyio.move_on_after(within_s):
+            while removed := await self._remove_service_objects(self._made_here):
+                found += removed
+                await anyio.sleep(0.2)  # a removal in progress (409) answers at once; its end is waited for
+        return found
+
+    async def _remove_service_objects(self, doomed: Callable[[dict[str, str] | None], bool]) -> int:
+        """Removes this service's containers, then volumes, whose labels are `doomed`; returns how many."""
         removed = 0
         for container in await self.list_service_containers():
-            if _owner_alive(container.get("Labels")):
-                continue
-            await self.remove(container["Id"])
-            removed += 1
-        removed += await self.remove_runtime_leftovers()
+            if doomed(container.get("Labels")):
+                await self.remove(container["Id"])
+                removed += 1
         # Volumes last: one still used by a container cannot be removed.
         found = await self._run(self.api.volumes, filters={"label": SERVICE_LABEL})
         for volume in found.get("Volumes") or []:
-            if _owner_alive(volume.get("Labels")):
-                continue
-            removed += await self.remove_volume(volume["Name"])
+            if doomed(volume.get("Labels")):
+                removed += await self.remove_volume(volume["Name"])
         return removed
 
     async def fill_volume(self, volume: str, image: str, archive: Path, labels: dict[str, str]) -> None:
@@ -449,7 +468,7 @@ class Engine:
                 image=image,
                 command=["/usr/bin/node"],
                 name=f"{volume}-fill",
-                labels=labels,
+                labels=self._owned(labels),
                 network_disabled=True,
                 host_config=host_config,
             )
@@ -477,6 +496,12 @@ class Engine:
             return True
 
         return await self._run(remove)
+
+    def _owned(self, labels: dict[str, str]) -> dict[str, str]:
+        return {**labels, OWNER_LABEL: self.owner}
+
+    def _made_here(self, labels: dict[str, str] | None) -> bool:
+        return (labels or {}).get(OWNER_LABEL) == self.owner
 
     def close(self) -> None:
         clients, self._clients = self._clients, {}
