@@ -8,6 +8,7 @@ than a generic JSON error.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, get_args
 
@@ -20,6 +21,12 @@ MIB = 1024 * KIB
 
 POOL_SIZE_MAX = 64
 POOL_GROWTH = 4  # the default ceiling of the warm pool, per execution slot
+
+
+def default_state_dir() -> Path:
+    """Where a service keeps what it writes: $XDG_STATE_HOME/metaagent, by default ~/.local/state/metaagent."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "metaagent"
 
 
 class Settings(BaseSettings):
@@ -133,7 +140,8 @@ class Settings(BaseSettings):
     max_connections: int | None = Field(default=None, ge=1)
 
     # Operations.
-    audit_log: Path = Path("metaagent-audit.jsonl")
+    # A service's state, never the directory it was started from (a checkout would collect it).
+    audit_log: Path = Field(default_factory=lambda: default_state_dir() / "audit.jsonl")
     log_format: str = Field(default="text", pattern="^(text|json)$")
     # Host headers every route accepts besides the loopback names (DNS-rebinding protection); `*` turns the
     # check off. METAAGENT_MCP_ALLOWED_HOSTS is its older name, still read.
