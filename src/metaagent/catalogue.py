@@ -32,6 +32,7 @@ async def _run_code(
     With `session_id` it is a session call, exactly as POST /sessions/{id}/execute makes it: the session's
     limits (its queue) and not the one-shot ones (the per-key execution quota, the execution metrics)."""
     if request.session_id is not None:
+        svc.sessions.check_own_values(request.session_id, request.session_values(), current_tenant())
         call = SessionExecuteRequest(code=request.code, timeout_s=request.timeout_s)
         return await svc.sessions.execute(request.session_id, call, current_tenant(), sink)
     return await metrics.observe_execution(_execute_as_caller(svc, request, sink))

@@ -791,7 +791,31 @@ def test_code_interpreter_with_a_session_id_runs_in_the_session(sessions: Sessio
     assert second.json()["session_id"] == sid
     owned = sessions.request("POST", "/tools/code-interpreter", json={"code": "1", "session_id": sid, "memory_mb": 64})
     assert owned.status_code == 422
-    assert "memory_mb" in owned.json()["error"]
+    assert f"session {sid} has memory_mb 256, not 64" in owned.json()["error"]
+
+
+def test_a_session_call_may_repeat_the_sessions_own_values_as_strict_mode_callers_send_every_property(
+    sessions: Sessions,
+) -> None:
+    sid = sessions.create()
+    every_property = {"memory_mb": 256, "packages": [], "network": None, "language": "javascript", "stdin": None}
+    echoed = sessions.request(
+        "POST", "/tools/code-interpreter", json={"code": "6 * 7", "session_id": sid, **every_property}
+    )
+    assert echoed.status_code == 200, echoed.text
+    assert echoed.json()["result"] == "42"
+    nulls = dict.fromkeys(every_property)
+    assert (
+        sessions.request("POST", "/tools/code-interpreter", json={"code": "1", "session_id": sid, **nulls}).status_code
+        == 200
+    )
+    for name, other in (("language", "python"), ("stdin", "input"), ("packages", ["left-pad"])):
+        refused = sessions.request(
+            "POST", "/tools/code-interpreter", json={"code": "1", "session_id": sid, name: other}
+        )
+        assert refused.status_code == 422, (name, refused.text)
+        assert f"session {sid} has {name} " in refused.json()["error"]
+        assert refused.json()["details"][0]["field"] == name
 
 
 def test_a_default_session_takes_a_warm_container(sessions: Sessions) -> None:

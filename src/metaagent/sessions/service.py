@@ -12,6 +12,7 @@ lifetime cap, when its process ends, or when the service stops; for an hour afte
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import secrets
 import time
@@ -32,6 +33,7 @@ from metaagent.errors import (
     AtCapacity,
     Gone,
     InsufficientStorage,
+    InvalidRequest,
     NotFound,
     PayloadTooLarge,
     RequestRefused,
@@ -64,7 +66,13 @@ from metaagent.sessions.models import (
 )
 from metaagent.sessions.paths import checked_path
 from metaagent.tenancy import Caller, may_access, visible_to
-from metaagent.tools.code_interpreter import CodeInterpreter, code_fields, container_spec, refuse_unserved_language
+from metaagent.tools.code_interpreter import (
+    CodeInterpreter,
+    NetworkPolicy,
+    code_fields,
+    container_spec,
+    refuse_unserved_language,
+)
 
 log = logging.getLogger("metaagent.sessions")
 
@@ -244,6 +252,19 @@ class Sessions:
         return len(self._open)
 
     # --- lookups ---
+
+    def check_own_values(self, session_id: str, values: dict[str, Any], caller: Caller) -> None:
+        """A call into a session may repeat the session's own settings (strict-mode callers send every
+        property, and models echo defaults); a different value is a 422 naming the field and the session's."""
+        config = self.get(session_id, caller).config
+        for name, value in values.items():
+            own = getattr(config, name, None)  # stdin: a session has none (its calls read no input)
+            if _comparable(value) != _comparable(own):
+                raise InvalidRequest.for_field(
+                    name,
+                    f"session {session_id} has {name} {_shown(own)}, not {_shown(value)}; leave {name} out "
+                    f"(or null) in a call into a session, or create another session with it",
+                )
 
     def get(self, session_id: str, caller: Caller) -> Session:
         """The caller's session (an operator's key: anyone's); 410 once it ended, 404 for anyone else's."""
@@ -699,3 +720,18 @@ def _checked_listing(reply: dict[str, Any]) -> list[FileInfo]:
             raise ValueError(f"a path that breaks the rules: {exc}") from None
         files.append(FileInfo.model_validate(entry))
     return files
+
+
+def _comparable(value: Any) -> Any:
+    """A session setting as compared: package lists and allowed hosts as sets (their order means nothing)."""
+    if isinstance(value, NetworkPolicy):
+        return ("network", frozenset(value.allow))
+    if isinstance(value, list):
+        return frozenset(value)
+    return value
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, NetworkPolicy):
+        return json.dumps(value.model_dump())
+    return "none" if value is None else json.dumps(value)

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 import anyio
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
 
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
@@ -68,7 +68,8 @@ class CodeInterpreterRequest(ToolRequest):
     With `session_id` (from session_create), the code runs in that session instead: variables,
     functions and imports of earlier calls are still there, top-level await works, the value of the last
     expression comes back as `result`, and fs works inside /workspace (the cwd, where uploaded files are)
-    and /tmp. Leave memory_mb, packages, network, language and stdin out then: the session has them.
+    and /tmp. memory_mb, packages, network, language and stdin are the session's then: leave them out
+    or null (or give the session's own value).
     """
 
     code: str = Field(min_length=1, max_length=MAX_CODE_BYTES, description="JavaScript source (CommonJS).")
@@ -84,17 +85,24 @@ class CodeInterpreterRequest(ToolRequest):
         default=None, max_length=64, description="Run in this session (see session_create); its state persists."
     )
 
-    @model_validator(mode="before")
+    # The session-owned fields a session call named with a value (checked against the session's own).
+    _given_to_a_session: frozenset[str] = PrivateAttr(default=frozenset())
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _fields_of_the_session(cls, data: Any) -> Any:
+    def _fields_of_the_session(cls, data: Any, handler: ModelWrapValidatorHandler[CodeInterpreterRequest]) -> Any:
         if not isinstance(data, dict) or data.get("session_id") is None:
-            return data
-        given = [name for name in SESSION_OWNED_FIELDS if data.get(name) is not None]
-        if given:
-            raise ValueError(
-                f"{', '.join(given)} belong to the session: leave them out (or null) when session_id is set"
-            )
-        return {key: value for key, value in data.items() if key not in SESSION_OWNED_FIELDS}
+            return handler(data)
+        given = frozenset(name for name in SESSION_OWNED_FIELDS if data.get(name) is not None)
+        # null is "the session's": dropped before validation, as if left out
+        request = handler({k: v for k, v in data.items() if v is not None or k not in SESSION_OWNED_FIELDS})
+        request._given_to_a_session = given
+        return request
+
+    def session_values(self) -> dict[str, Any]:
+        """The session-owned fields this session call gave a value, with their (validated) values:
+        each must equal the session's own (a strict-mode caller sends every property)."""
+        return {name: getattr(self, name) for name in sorted(self._given_to_a_session)}
 
 
 class CodeInterpreterResponse(BaseModel):
