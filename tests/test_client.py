@@ -175,3 +175,22 @@ def test_import_metaagent_stays_cheap_until_a_client_is_asked_for() -> None:
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.split("\n")[:2] == ["[]", "True"]
+
+
+@pytest.mark.security
+async def test_a_client_without_arguments_reads_metaagent_url_and_metaagent_api_key(
+    live_service: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("METAAGENT_URL", live_service)
+    monkeypatch.delenv("METAAGENT_API_KEY", raising=False)
+    with metaagent.Client() as client:
+        assert client.health()["status"] in ("ok", "degraded")
+    captured: Captured = []
+    monkeypatch.setenv("METAAGENT_API_KEY", "k-from-env")
+    with metaagent.Client(transport=mocked(captured)) as from_env:
+        from_env.health()
+    async with metaagent.AsyncClient("http://service.test", api_key="k-given", transport=mocked(captured)) as given:
+        await given.health()
+    assert captured[0].url.host == "127.0.0.1"
+    assert captured[0].headers["authorization"] == "Bearer k-from-env"
+    assert captured[1].headers["authorization"] == "Bearer k-given"  # what is given wins over the environment

@@ -2,7 +2,7 @@
 
     from metaagent import Client
 
-    with Client("http://127.0.0.1:3102", api_key="...") as client:
+    with Client() as client:  # METAAGENT_URL and METAAGENT_API_KEY, or Client(url, api_key="...")
         client.http("https://api.example.com/x")["body"]
         client.call_tool("search", {"q": "mcp"})  # any tool by its name, as an agent asks for it
 
@@ -26,6 +26,7 @@ interrupts the call, and the session keeps its state.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
@@ -143,6 +144,14 @@ def _file(session_id: str, path: str) -> str:
 
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _service(base_url: str | None, api_key: str | None) -> tuple[str, dict[str, str]]:
+    """The service's URL and the request headers: what was given, else METAAGENT_URL and METAAGENT_API_KEY
+    from the environment, else the local default with no key."""
+    url = base_url or os.environ.get("METAAGENT_URL") or DEFAULT_URL
+    key = api_key if api_key is not None else os.environ.get("METAAGENT_API_KEY")
+    return url, _headers(key)
 
 
 def _code_call(
@@ -279,13 +288,14 @@ class Client(_Endpoints[dict[str, Any]]):
 
     def __init__(
         self,
-        base_url: str = DEFAULT_URL,
+        base_url: str | None = None,
         *,
         api_key: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         transport: httpx2.BaseTransport | None = None,
     ) -> None:
-        self._http = httpx2.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout_s, transport=transport)
+        base_url, headers = _service(base_url, api_key)
+        self._http = httpx2.Client(base_url=base_url, headers=headers, timeout=timeout_s, transport=transport)
 
     def _send(self, call: _Call) -> dict[str, Any]:
         return _result(self._http.request(call.method, call.path, json=call.body))
@@ -361,15 +371,14 @@ class AsyncClient(_Endpoints[Awaitable[dict[str, Any]]]):
 
     def __init__(
         self,
-        base_url: str = DEFAULT_URL,
+        base_url: str | None = None,
         *,
         api_key: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         transport: httpx2.AsyncBaseTransport | None = None,
     ) -> None:
-        self._http = httpx2.AsyncClient(
-            base_url=base_url, headers=_headers(api_key), timeout=timeout_s, transport=transport
-        )
+        base_url, headers = _service(base_url, api_key)
+        self._http = httpx2.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, transport=transport)
 
     async def _request(self, call: _Call) -> dict[str, Any]:
         return _result(await self._http.request(call.method, call.path, json=call.body))
