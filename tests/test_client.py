@@ -13,6 +13,7 @@ import httpx2
 import pytest
 
 import metaagent
+import metaagent.client
 from metaagent.app import TOOLS, create_app
 from metaagent.errors import MetaAgentError, ServiceError
 from tests.conftest import make_settings
@@ -79,6 +80,7 @@ def test_an_error_status_raises_service_error_with_the_status_and_the_services_m
     assert caught.value.message == "Blocked host: malicious.com"
     assert caught.value.extra == {"host": "malicious.com"}
     assert isinstance(caught.value, MetaAgentError)
+    assert isinstance(caught.value, metaagent.client.Refused)
 
 
 async def test_an_unknown_execution_raises_a_404_service_error(live_service: str) -> None:
@@ -88,6 +90,7 @@ async def test_an_unknown_execution_raises_a_404_service_error(live_service: str
         with pytest.raises(ServiceError) as not_killed:
             await client.kill_execution("no-such-execution")
     assert (missing.value.status_code, not_killed.value.status_code) == (404, 404)
+    assert isinstance(missing.value, metaagent.client.NotFound)
     assert missing.value.message
 
 
@@ -194,3 +197,37 @@ async def test_a_client_without_arguments_reads_metaagent_url_and_metaagent_api_
     assert captured[0].url.host == "127.0.0.1"
     assert captured[0].headers["authorization"] == "Bearer k-from-env"
     assert captured[1].headers["authorization"] == "Bearer k-given"  # what is given wins over the environment
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "kind"),
+    [
+        (404, {"error": "No session 'x'"}, "NotFound"),
+        (410, {"error": "Session s has ended: idle", "reason": "idle"}, "SessionEnded"),
+        (429, {"error": "At capacity", "retry_after_s": 3}, "RateLimited"),
+        (413, {"error": "Too large"}, "PayloadTooLarge"),
+        (507, {"error": "The workspace is full"}, "WorkspaceFull"),
+        (400, {"error": "Blocked host: x"}, "Refused"),
+        (403, {"error": "Forbidden"}, "Refused"),
+        (422, {"error": "Invalid request: code: required"}, "Refused"),
+        (503, {"error": "The container engine is unavailable"}, "Unavailable"),
+        (401, {"error": "Missing API key"}, "ServiceError"),
+    ],
+)
+def test_each_error_status_raises_the_service_error_that_names_its_meaning(
+    status: int, body: dict[str, Any], kind: str
+) -> None:
+    client = metaagent.Client("http://service.test", transport=mocked([], status, body))
+    with client, pytest.raises(ServiceError) as caught:
+        client.health()
+    assert type(caught.value).__name__ == kind
+    assert (caught.value.status_code, caught.value.message) == (status, body["error"])
+    if kind == "SessionEnded":
+        assert caught.value.reason == "idle"  # type: ignore[attr-defined]  # the subclass checked above
+    if kind == "RateLimited":
+        assert caught.value.retry_after == 3.0  # type: ignore[attr-defined]  # the subclass checked above
+
+
+def test_a_network_failure_raises_the_transport_error_the_client_module_exports() -> None:
+    with metaagent.Client("http://127.0.0.1:9") as client, pytest.raises(metaagent.client.TransportError):
+        client.health()

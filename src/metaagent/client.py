@@ -7,8 +7,10 @@
         client.call_tool("search", {"q": "mcp"})  # any tool by its name, as an agent asks for it
 
 Every method returns the response's JSON body as it is documented in API.md (a dict). An error status
-raises `metaagent.errors.ServiceError`, with the status and the service's own message (`.message`)
-and extra fields (`.extra`, e.g. `host`). Network failures raise httpx2's `TransportError`.
+raises a `ServiceError` (`metaagent.errors.ServiceError`), with the status and the service's own message
+(`.message`) and extra fields (`.extra`, e.g. `host`), as the subclass that names what it means:
+`NotFound`, `SessionEnded` (`.reason`), `RateLimited` (`.retry_after`), `PayloadTooLarge`, `WorkspaceFull`,
+`Refused` or `Unavailable`. Network failures raise `TransportError` (httpx2's, re-exported here).
 
 `stream_code(...)` runs code like `code_interpreter(...)` and yields its output as it comes:
 
@@ -34,6 +36,7 @@ from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx2
+from httpx2 import TransportError as TransportError  # re-exported: what a network failure raises
 
 from metaagent.errors import ServiceError
 
@@ -88,6 +91,64 @@ def tool_path(name: str) -> str:
     return f"/tools/{name.replace('_', '-')}"
 
 
+class NotFound(ServiceError):
+    """404: no such execution, session, file or tool (for this key)."""
+
+
+class SessionEnded(ServiceError):
+    """410: the session has ended; `reason` says why (`closed`, `idle`, `lifetime`, `oom`, `exited`, ...)."""
+
+    @property
+    def reason(self) -> str | None:
+        reason = self.extra.get("reason")
+        return reason if isinstance(reason, str) else None
+
+
+class RateLimited(ServiceError):
+    """429: at capacity or past a per-key limit; retry after `retry_after` seconds."""
+
+    @property
+    def retry_after(self) -> float | None:
+        seconds = self.extra.get("retry_after_s")
+        return float(seconds) if isinstance(seconds, int | float) else None
+
+
+class PayloadTooLarge(ServiceError):
+    """413: a body (code, a file) over its limit."""
+
+
+class WorkspaceFull(ServiceError):
+    """507: the session's workspace has no room for the file."""
+
+
+class Refused(ServiceError):
+    """400, 403 or 422: the request was refused as sent (a blocked host, a package off the list, bad input)."""
+
+
+class Unavailable(ServiceError):
+    """502, 503 or 504: the service or what it depends on (the container engine, an upstream) cannot serve now."""
+
+
+_BY_STATUS: dict[int, type[ServiceError]] = {
+    400: Refused,
+    403: Refused,
+    404: NotFound,
+    410: SessionEnded,
+    413: PayloadTooLarge,
+    422: Refused,
+    429: RateLimited,
+    502: Unavailable,
+    503: Unavailable,
+    504: Unavailable,
+    507: WorkspaceFull,
+}
+
+
+def service_error(status_code: int, message: str, **extra: Any) -> ServiceError:
+    """The exception of an error answer: the `ServiceError` subclass that names what the status means."""
+    return _BY_STATUS.get(status_code, ServiceError)(status_code, message, **extra)
+
+
 def _result(response: httpx2.Response) -> dict[str, Any]:
     try:
         body = response.json()
@@ -97,9 +158,9 @@ def _result(response: httpx2.Response) -> dict[str, Any]:
         return body
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         extra = {k: v for k, v in body.items() if k != "error"}
-        raise ServiceError(response.status_code, body["error"], **extra)
+        raise service_error(response.status_code, body["error"], **extra)
     text = response.text.strip()[:500] or response.reason_phrase
-    raise ServiceError(response.status_code, f"Unexpected answer from the service: {text}")
+    raise service_error(response.status_code, f"Unexpected answer from the service: {text}")
 
 
 def _stream_event(sse: httpx2.ServerSentEvent) -> StreamEvent | None:
@@ -112,7 +173,7 @@ def _stream_event(sse: httpx2.ServerSentEvent) -> StreamEvent | None:
     if sse.event == "error":
         status = data.pop("status", 500)
         message = data.pop("error", "the call failed")
-        raise ServiceError(status if isinstance(status, int) else 500, str(message), **data)
+        raise service_error(status if isinstance(status, int) else 500, str(message), **data)
     if sse.event == "result":
         return Finished(data)
     if sse.event == "dropped":
