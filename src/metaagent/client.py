@@ -32,7 +32,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, overload
 from urllib.parse import quote
 
 import httpx2
@@ -531,8 +531,14 @@ class Session:
     def upload(self, path: str, data: bytes) -> dict[str, Any]:
         return self.client.upload(self.id, path, data)
 
-    def download(self, path: str) -> bytes:
-        return self.client.download(self.id, path)
+    @overload
+    def download(self, path: str, *, text: Literal[False] = False) -> bytes: ...
+    @overload
+    def download(self, path: str, *, text: Literal[True]) -> str: ...
+    def download(self, path: str, *, text: bool = False) -> bytes | str:
+        """The file's bytes, or with `text=True` its UTF-8 text (UnicodeDecodeError when it is not)."""
+        data = self.client.download(self.id, path)
+        return data.decode() if text else data
 
     def files(self) -> list[dict[str, Any]]:
         files: list[dict[str, Any]] = self.client.session_files(self.id)["files"]
@@ -540,6 +546,14 @@ class Session:
 
     def delete(self, path: str) -> dict[str, Any]:
         return self.client.delete_session_file(self.id, path)
+
+    def record(self) -> dict[str, Any]:
+        """The session's record (`state`, `executions`, `expires_at`, ...); SessionEnded once it has ended."""
+        return self.client.session_record(self.id)
+
+    def close(self) -> dict[str, Any]:
+        """Closes the session now (the block of `Client.session` also does when it ends)."""
+        return self.client.close_session(self.id)
 
 
 class AsyncSession:
@@ -558,8 +572,13 @@ class AsyncSession:
     async def upload(self, path: str, data: bytes) -> dict[str, Any]:
         return await self.client.upload(self.id, path, data)
 
-    async def download(self, path: str) -> bytes:
-        return await self.client.download(self.id, path)
+    @overload
+    async def download(self, path: str, *, text: Literal[False] = False) -> bytes: ...
+    @overload
+    async def download(self, path: str, *, text: Literal[True]) -> str: ...
+    async def download(self, path: str, *, text: bool = False) -> bytes | str:
+        data = await self.client.download(self.id, path)
+        return data.decode() if text else data
 
     async def files(self) -> list[dict[str, Any]]:
         files: list[dict[str, Any]] = (await self.client.session_files(self.id))["files"]
@@ -567,3 +586,9 @@ class AsyncSession:
 
     async def delete(self, path: str) -> dict[str, Any]:
         return await self.client.delete_session_file(self.id, path)
+
+    async def record(self) -> dict[str, Any]:
+        return await self.client.session_record(self.id)
+
+    async def close(self) -> dict[str, Any]:
+        return await self.client.close_session(self.id)

@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 import metaagent
+import metaagent.client
 from metaagent.client import Finished, Output
 from metaagent.errors import ServiceError
 from tests.sandbox.conftest import Service
@@ -82,13 +83,29 @@ def test_client_session_shares_state_and_files_and_closes_on_exit(sandbox_servic
     assert ended.value.extra["reason"] == "closed"
 
 
+def test_a_client_session_reads_its_record_downloads_text_and_closes_itself(sandbox_service: Service) -> None:
+    with metaagent.Client(sandbox_service.base_url) as client, client.session() as session:
+        session.upload("notes.txt", "grüße\n".encode())
+        assert session.download("notes.txt", text=True) == "grüße\n"
+        session.execute("1")
+        assert session.record()["executions"] == 1
+        assert session.close()["closed"] is True
+        with pytest.raises(metaagent.client.SessionEnded) as ended:
+            session.execute("1")
+    assert ended.value.status_code == 410
+    assert ended.value.reason == "closed"
+
+
 async def test_async_client_session_runs_calls_and_moves_files(sandbox_service: Service) -> None:
     async with metaagent.AsyncClient(sandbox_service.base_url) as client, client.session() as session:
         await session.execute("let n = 20")
         assert (await session.execute("n + 1"))["result"] == "21"
         await session.upload("a b/ü.txt", "grüße".encode())
         assert (await session.download("a b/ü.txt")).decode() == "grüße"
+        assert await session.download("a b/ü.txt", text=True) == "grüße"
         assert [f["path"] for f in await session.files()] == ["a b/ü.txt"]
+        assert (await session.record())["state"] == "idle"
+        assert (await session.close())["closed"] is True
 
 
 def test_a_session_call_streams_its_output_then_finishes_with_the_result(sandbox_service: Service) -> None:
