@@ -125,7 +125,7 @@ def mocked(captured: Captured, status: int = 200, answer: Any = None) -> httpx2.
         (
             lambda c: c.call_tool("code_interpreter", {"code": "1"}),
             "POST",
-            "/tools/code-interpreter",
+            "/tools/code_interpreter",
             {"code": "1"},
         ),
         (lambda c: c.search("q", gl="de"), "POST", "/tools/search", {"q": "q", "gl": "de"}),

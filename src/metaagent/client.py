@@ -87,8 +87,8 @@ def _fields(**values: Any) -> dict[str, Any]:
 
 
 def tool_path(name: str) -> str:
-    """The HTTP route of a tool (`code_interpreter` is served at `/tools/code-interpreter`)."""
-    return f"/tools/{name.replace('_', '-')}"
+    """The HTTP route of a tool: every tool of `GET /tools` is served at `POST /tools/{name}`."""
+    return f"/tools/{quote(name, safe='')}"
 
 
 class NotFound(ServiceError):
@@ -283,7 +283,7 @@ class _Endpoints(Generic[Result]):
         return self._send(_Call("POST", "/tools/embeddings", fields))
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> Result:
-        """Any tool by its name (`http`, `code_interpreter`, `search`, `embeddings`), e.g. from a model's tool call."""
+        """Any tool of `GET /tools` by its name (`code_interpreter`, `session_create`, ...), as a model calls it."""
         return self._send(_Call("POST", tool_path(name), arguments))
 
     def tools(self) -> Result:

@@ -143,3 +143,12 @@ async def test_leaving_a_streamed_session_call_early_interrupts_it_and_the_sessi
         after = await session.execute("kept")
     assert after["result"] == "'state'"
     assert after["session_ended"] is False
+
+
+def test_call_tool_reaches_the_session_tools_by_their_names(sandbox_service: Service) -> None:
+    with metaagent.Client(sandbox_service.base_url) as client:
+        session_id = client.call_tool("session_create", {})["session_id"]
+        ran = client.call_tool("code_interpreter", {"code": "let n = 2; n ** 10", "session_id": session_id})
+        assert ran["result"] == "1024"
+        closed = client.call_tool("session_close", {"session_id": session_id})
+        assert closed == {"session_id": session_id, "closed": True}

@@ -818,6 +818,21 @@ def test_a_session_call_may_repeat_the_sessions_own_values_as_strict_mode_caller
         assert refused.json()["details"][0]["field"] == name
 
 
+def test_every_tool_of_get_tools_is_served_at_post_tools_by_its_name(sessions: Sessions) -> None:
+    names = [tool["name"] for tool in sessions.request("GET", "/tools").json()["tools"]]
+    assert {"code_interpreter", "session_create", "session_close"} <= set(names)
+    for name in names:  # a route for each: a body its model refuses is the tool's own 422, not a 404
+        refused = sessions.request("POST", f"/tools/{name}", json={"not_a_field": 1})
+        assert refused.status_code == 422, (name, refused.text)
+    created = sessions.request("POST", "/tools/session_create", json={})
+    assert created.status_code == 200, created.text
+    sid = created.json()["session_id"]
+    ran = sessions.request("POST", "/tools/code_interpreter", json={"code": "6 * 7", "session_id": sid})
+    assert ran.json()["result"] == "42"
+    closed = sessions.request("POST", "/tools/session_close", json={"session_id": sid})
+    assert closed.json() == {"session_id": sid, "closed": True}
+
+
 def test_a_default_session_takes_a_warm_container(sessions: Sessions) -> None:
     from tests.sandbox.conftest import wait_for_warm_containers
 

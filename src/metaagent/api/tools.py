@@ -23,8 +23,15 @@ from metaagent.tools import ToolSpec
 def tools_router(tools: Sequence[ToolSpec]) -> APIRouter:
     router = APIRouter(route_class=StrictJsonRoute)
     for spec in tools:
+        # Every tool by its name, so that a function-calling loop needs no table of routes; the older
+        # paths (/tools/code-interpreter) stay.
+        by_name = f"/tools/{spec.name}"
         if spec.path is not None:
-            _add_tool_route(router, spec)
+            _add_tool_route(router, spec, spec.path, f"tool_{spec.name}")
+        if spec.path != by_name:
+            _add_tool_route(
+                router, spec, by_name, f"tool_{spec.name}" if spec.path is None else f"tool_{spec.name}_by_name"
+            )
 
     @router.get("/tools", tags=["service"], summary="The tools, as OpenAI-style function schemas")
     async def list_tools() -> dict[str, Any]:
@@ -33,9 +40,8 @@ def tools_router(tools: Sequence[ToolSpec]) -> APIRouter:
     return router
 
 
-def _add_tool_route(router: APIRouter, spec: ToolSpec) -> None:
-    assert spec.path is not None  # noqa: S101 -- the caller routes only tools that have a path
-    """`POST <spec.path>`: the body is validated by the tool's request model, the answer is its response model."""
+def _add_tool_route(router: APIRouter, spec: ToolSpec, path: str, operation_id: str) -> None:
+    """`POST <path>`: the body is validated by the tool's request model, the answer is its response model."""
 
     async def endpoint(body: BaseModel, request: Request) -> Response:
         stream = spec.stream
@@ -54,13 +60,13 @@ def _add_tool_route(router: APIRouter, spec: ToolSpec) -> None:
         ]
     )
     router.add_api_route(
-        spec.path,
+        path,
         endpoint,
         methods=["POST"],
         response_model=spec.response_model,
         tags=["tools"],
         summary=spec.summary,
         description=spec.description,
-        operation_id=f"tool_{spec.name}",
+        operation_id=operation_id,
         responses={**error_responses(*spec.error_statuses), **(OPENAPI_RESPONSE if spec.stream else {})},
     )
