@@ -426,32 +426,33 @@ class Engine:
     async def remove_orphans(self) -> int:
         """Removes containers and volumes of service processes that no longer exist (a crash, a SIGKILL)."""
         removed = await self._remove_service_objects(lambda labels: not _owner_alive(labels))
-        return removed + await self.remove_runtime_leftovers()
+        return len(removed) + await self.remove_runtime_leftovers()
 
     async def remove_owned(self, within_s: float) -> int:
         """Removes every container and volume this process still owns, and waits (up to `within_s`) until
         the engine no longer lists them: the last step of a shutdown, so that a removal that failed or was
         abandoned on the way out (a busy engine past its lane's deadline) leaves nothing behind. Returns how
         many it found; what is left at the deadline, the next start removes as an orphan's."""
-        found = 0
+        found: set[str] = set()
         with anyio.move_on_after(within_s):
             while removed := await self._remove_service_objects(self._made_here):
-                found += removed
+                found |= removed
                 await anyio.sleep(0.2)  # a removal in progress (409) answers at once; its end is waited for
-        return found
+        return len(found)
 
-    async def _remove_service_objects(self, doomed: Callable[[dict[str, str] | None], bool]) -> int:
-        """Removes this service's containers, then volumes, whose labels are `doomed`; returns how many."""
-        removed = 0
+    async def _remove_service_objects(self, doomed: Callable[[dict[str, str] | None], bool]) -> set[str]:
+        """Removes this service's containers, then volumes, whose labels are `doomed`; returns their ids
+        and names (a container whose removal is already in progress among them)."""
+        removed: set[str] = set()
         for container in await self.list_service_containers():
             if doomed(container.get("Labels")):
                 await self.remove(container["Id"])
-                removed += 1
+                removed.add(container["Id"])
         # Volumes last: one still used by a container cannot be removed.
         found = await self._run(self.api.volumes, filters={"label": SERVICE_LABEL})
         for volume in found.get("Volumes") or []:
-            if doomed(volume.get("Labels")):
-                removed += await self.remove_volume(volume["Name"])
+            if doomed(volume.get("Labels")) and await self.remove_volume(volume["Name"]):
+                removed.add(volume["Name"])
         return removed
 
     async def fill_volume(self, volume: str, image: str, archive: Path, labels: dict[str, str]) -> None:
