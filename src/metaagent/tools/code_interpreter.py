@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 import anyio
-from pydantic import BaseModel, Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
@@ -85,24 +85,18 @@ class CodeInterpreterRequest(ToolRequest):
         default=None, max_length=64, description="Run in this session (see session_create); its state persists."
     )
 
-    # The session-owned fields a session call named with a value (checked against the session's own).
-    _given_to_a_session: frozenset[str] = PrivateAttr(default=frozenset())
-
-    @model_validator(mode="wrap")
+    @model_validator(mode="before")
     @classmethod
-    def _fields_of_the_session(cls, data: Any, handler: ModelWrapValidatorHandler[CodeInterpreterRequest]) -> Any:
+    def _fields_of_the_session(cls, data: Any) -> Any:
         if not isinstance(data, dict) or data.get("session_id") is None:
-            return handler(data)
-        given = frozenset(name for name in SESSION_OWNED_FIELDS if data.get(name) is not None)
+            return data
         # null is "the session's": dropped before validation, as if left out
-        request = handler({k: v for k, v in data.items() if v is not None or k not in SESSION_OWNED_FIELDS})
-        request._given_to_a_session = given
-        return request
+        return {key: value for key, value in data.items() if value is not None or key not in SESSION_OWNED_FIELDS}
 
     def session_values(self) -> dict[str, Any]:
         """The session-owned fields this session call gave a value, with their (validated) values:
         each must equal the session's own (a strict-mode caller sends every property)."""
-        return {name: getattr(self, name) for name in sorted(self._given_to_a_session)}
+        return {name: getattr(self, name) for name in SESSION_OWNED_FIELDS if name in self.model_fields_set}
 
 
 class CodeInterpreterResponse(BaseModel):
