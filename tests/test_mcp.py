@@ -85,6 +85,28 @@ async def test_calling_http_returns_structured_content_and_the_same_json_as_text
     assert result.structured_content["status"] == 200
     assert result.structured_content["body"] == "hello from upstream"
     assert json.loads(text_of(result)) == result.structured_content
+    # compact, for the model that reads it: the same JSON with no indentation or padding
+    assert text_of(result) == json.dumps(result.structured_content, ensure_ascii=False, separators=(",", ":"))
+
+
+async def test_each_tool_carries_annotations_that_say_what_a_call_does(tmp_path: Path) -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with in_process(tmp_path) as client:
+            listed = {t.name: t.annotations for t in (await client.list_tools()).tools}
+    hints = {
+        name: (a.read_only_hint, a.destructive_hint, a.idempotent_hint, a.open_world_hint)
+        for name, a in listed.items()
+        if a is not None
+    }
+    assert set(hints) == set(listed)  # every tool has them
+    # (read only, destructive, idempotent, open world)
+    assert hints["search"] == hints["embeddings"] == (True, False, True, True)  # the web, changing nothing
+    assert hints["http"] == (False, True, False, True)  # any method, to hosts out there
+    assert hints["session_files"] == hints["session_read_file"] == (True, False, True, False)
+    assert hints["session_write_file"] == (False, True, True, False)  # it replaces the file at that path
+    assert hints["session_close"] == (False, True, True, False)
+    assert hints["session_create"] == (False, False, False, False)
+    assert hints["code_interpreter"] == (False, True, False, True)
 
 
 @pytest.mark.security

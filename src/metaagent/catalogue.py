@@ -6,14 +6,21 @@ from metaagent import metrics
 from metaagent.access import current_caller, current_tenant
 from metaagent.sandbox.output import OutputSink
 from metaagent.services import Services
+from metaagent.sessions import file_tools
 from metaagent.sessions.models import (
+    FileContent,
+    FileList,
+    FileWritten,
     SessionClosed,
     SessionCloseRequest,
     SessionCreateRequest,
     SessionExecuteRequest,
+    SessionFilesRequest,
+    SessionReadFileRequest,
     SessionRecord,
+    SessionWriteFileRequest,
 )
-from metaagent.tools import ToolSpec
+from metaagent.tools import Effects, ToolSpec
 from metaagent.tools.code_interpreter import CodeInterpreterRequest, CodeInterpreterResponse
 from metaagent.tools.embeddings import EMBEDDINGS
 from metaagent.tools.http import HttpRequest, HttpResponse
@@ -54,9 +61,32 @@ async def _invoke_session_close(svc: Services, request: SessionCloseRequest) -> 
     return await svc.sessions.close(request.session_id, current_tenant())
 
 
+async def _invoke_session_files(svc: Services, request: SessionFilesRequest) -> FileList:
+    return await file_tools.list_files(svc.sessions, request, current_tenant())
+
+
+async def _invoke_session_read_file(svc: Services, request: SessionReadFileRequest) -> FileContent:
+    return await file_tools.read_file(svc.sessions, request, current_tenant())
+
+
+async def _invoke_session_write_file(svc: Services, request: SessionWriteFileRequest) -> FileWritten:
+    return await file_tools.write_file(svc.sessions, request, current_tenant())
+
+
+# What a file tool may answer besides 200: a bad path or encoding (400), no such session or file (404),
+# an ended session (410), a content too large (413), the session's queue full (429), a workspace full (507).
+_FILE_TOOL_STATUSES = (400, 404, 410, 413, 422, 429, 503, 504, 507)
+
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
-        "http", "/tools/http", HttpRequest, HttpResponse, "Make an HTTP request to an allow-listed host", _invoke_http
+        "http",
+        "/tools/http",
+        HttpRequest,
+        HttpResponse,
+        "Make an HTTP request to an allow-listed host",
+        _invoke_http,
+        # any method: a DELETE or PUT to the host may destroy or replace what is there
+        effects=Effects(read_only=False, destructive=True, open_world=True),
     ),
     ToolSpec(
         "code_interpreter",
@@ -67,6 +97,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         _run_code,
         error_statuses=(400, 422, 429, 502, 503, 504),
         stream=_run_code,
+        # in a session the code may delete or overwrite workspace files; with `network` it reaches hosts
+        effects=Effects(read_only=False, destructive=True, open_world=True),
     ),
     SEARCH,
     EMBEDDINGS,
@@ -78,6 +110,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Open a stateful JavaScript session with a private /workspace",
         _invoke_session_create,
         error_statuses=(400, 422, 429, 503),
+        effects=Effects(read_only=False),
     ),
     ToolSpec(
         "session_close",
@@ -87,5 +120,36 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Close a session: its container and files are gone",
         _invoke_session_close,
         error_statuses=(404, 410),
+        effects=Effects(read_only=False, destructive=True, idempotent=True),  # its files are gone
+    ),
+    ToolSpec(
+        "session_files",
+        None,
+        SessionFilesRequest,
+        FileList,
+        "List the files of a session's workspace",
+        _invoke_session_files,
+        error_statuses=_FILE_TOOL_STATUSES,
+        effects=Effects(read_only=True, idempotent=True),
+    ),
+    ToolSpec(
+        "session_read_file",
+        None,
+        SessionReadFileRequest,
+        FileContent,
+        "Read a file of a session's workspace",
+        _invoke_session_read_file,
+        error_statuses=_FILE_TOOL_STATUSES,
+        effects=Effects(read_only=True, idempotent=True),
+    ),
+    ToolSpec(
+        "session_write_file",
+        None,
+        SessionWriteFileRequest,
+        FileWritten,
+        "Write a file into a session's workspace",
+        _invoke_session_write_file,
+        error_statuses=_FILE_TOOL_STATUSES,
+        effects=Effects(read_only=False, destructive=True, idempotent=True),  # replaces a file of that path
     ),
 )

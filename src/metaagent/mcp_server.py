@@ -2,13 +2,14 @@
 
 Built on the SDK's low-level `Server`, so that each tool's input schema is exactly its request model's
 JSON Schema (the one `GET /tools` and OpenAPI show) and a call runs the very `ToolSpec.invoke` the HTTP
-route runs, on the same `Services`. A result carries the response model as `structuredContent` and the
-same JSON as text; a refusal or failure (`MetaAgentError`) is a tool error (`isError`) with its message.
-A call of a streaming tool that carries a `progressToken` also sends its output as progress
-notifications (`metaagent.progress`); its result is the same. Each POST body at `/mcp` is read first by
-the service's strict JSON decoder (`metaagent.request_json`: UTF-8 only, no repeated key, no integer past
-its range), which answers a JSON-RPC parse error (HTTP 400, as the SDK answers its own) that names the
-field; the arguments then meet the tool's request model, strict as over HTTP.
+route runs, on the same `Services`; each tool's annotations say what a call does (`ToolSpec.effects`).
+A result carries the response model as `structuredContent` and the same JSON as compact text; a refusal
+or failure (`MetaAgentError`) is a tool error (`isError`) with its message. A call of a streaming tool
+that carries a `progressToken` also sends its output as progress notifications (`metaagent.progress`);
+its result is the same. Each POST body at `/mcp` is read first by the service's strict JSON decoder
+(`metaagent.request_json`: UTF-8 only, no repeated key, no integer past its range), which answers a
+JSON-RPC parse error (HTTP 400, as the SDK answers its own) that names the field; the arguments then
+meet the tool's request model, strict as over HTTP.
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) ->
             description=spec.description,
             input_schema=spec.parameters_schema(),
             output_schema=inline_refs(spec.response_model.model_json_schema(mode="serialization")),
+            annotations=types.ToolAnnotations(
+                title=spec.summary,
+                read_only_hint=spec.effects.read_only,
+                destructive_hint=spec.effects.destructive,
+                idempotent_hint=spec.effects.idempotent,
+                open_world_hint=spec.effects.open_world,
+            ),
         )
         for spec in tools
     ]
@@ -91,7 +99,8 @@ def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) ->
             log.exception("MCP call of tool %r failed unexpectedly", params.name)
             return _tool_error("Internal error; the service log has the details")
         structured = result.model_dump(mode="json")
-        text = json.dumps(structured, ensure_ascii=False, indent=2)
+        # Compact: frameworks that show the model the text pay for every byte of it, on every call.
+        text = json.dumps(structured, ensure_ascii=False, separators=(",", ":"))
         return types.CallToolResult(content=[types.TextContent(text=text)], structured_content=structured)
 
     schemas = {spec.name: spec.parameters_schema() for spec in tools}

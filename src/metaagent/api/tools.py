@@ -34,8 +34,9 @@ def tools_router(tools: Sequence[ToolSpec]) -> APIRouter:
             )
 
     @router.get("/tools", tags=["service"], summary="The tools, as OpenAI-style function schemas")
-    async def list_tools() -> dict[str, Any]:
-        return {"tools": [spec.function_schema() for spec in tools]}
+    async def list_tools(strict: bool = False) -> dict[str, Any]:
+        """With `strict=true`, each tool in the form OpenAI's strict mode requires, where its shape allows it."""
+        return {"tools": [spec.function_schema(strict=strict) for spec in tools]}
 
     return router
 

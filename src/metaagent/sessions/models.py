@@ -1,5 +1,5 @@
 """The session resource's request and answer models: they validate requests and make OpenAPI, the tool
-schemas of session_create and session_close, and the docs."""
+schemas of the session tools (session_create, session_close and the file tools), and the docs."""
 
 from __future__ import annotations
 
@@ -106,6 +106,51 @@ class FileInfo(BaseModel):
 
 class FileList(BaseModel):
     files: list[FileInfo]
+
+
+# The file tools carry a file inside a JSON argument or answer: at most this much, once decoded. Larger
+# files go through the file routes, which stream them.
+MAX_TOOL_FILE_BYTES = 1024 * 1024
+# The longest base64 text of MAX_TOOL_FILE_BYTES bytes (padded), the bound of `content` in a request.
+MAX_TOOL_CONTENT_CHARS = -(-MAX_TOOL_FILE_BYTES // 3) * 4
+
+FileEncoding = Literal["utf-8", "base64"]
+_ENCODING = "utf-8 for text, base64 for any other bytes."
+_PATH = "A file of the workspace, relative to /workspace, e.g. data/input.csv."
+
+
+class SessionFilesRequest(ToolRequest):
+    """List the files of a session's /workspace: every regular file, with its size and time of change,
+    sorted by path."""
+
+    session_id: str = Field(max_length=64)
+
+
+class SessionReadFileRequest(ToolRequest):
+    """Read a file of a session's /workspace (at most 1 MiB): as text (utf-8) or as base64 for any other
+    bytes, with its size and sha256."""
+
+    session_id: str = Field(max_length=64)
+    path: str = Field(min_length=1, max_length=1024, description=_PATH)
+    encoding: FileEncoding = Field(default="utf-8", description=_ENCODING)
+
+
+class SessionWriteFileRequest(ToolRequest):
+    """Write a file into a session's /workspace (at most 1 MiB), creating its folders; an existing file is
+    replaced. Code in the session then reads it with fs, relative to its cwd /workspace."""
+
+    session_id: str = Field(max_length=64)
+    path: str = Field(min_length=1, max_length=1024, description=_PATH)
+    content: str = Field(max_length=MAX_TOOL_CONTENT_CHARS, description="The file's content, in `encoding`.")
+    encoding: FileEncoding = Field(default="utf-8", description=_ENCODING)
+
+
+class FileContent(BaseModel):
+    path: str
+    size: int
+    sha256: str
+    encoding: FileEncoding
+    content: str
 
 
 class FileDeleted(BaseModel):

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 import anyio
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
@@ -84,14 +84,6 @@ class CodeInterpreterRequest(ToolRequest):
     session_id: str | None = Field(
         default=None, max_length=64, description="Run in this session (see session_create); its state persists."
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _fields_of_the_session(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("session_id") is None:
-            return data
-        # null is "the session's": dropped before validation, as if left out
-        return {key: value for key, value in data.items() if value is not None or key not in SESSION_OWNED_FIELDS}
 
     def session_values(self) -> dict[str, Any]:
         """The session-owned fields this session call gave a value, with their (validated) values:

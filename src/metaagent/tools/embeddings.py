@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from metaagent.egress.guard import EgressGuard
 from metaagent.settings import Settings
 from metaagent.text import well_formed
-from metaagent.tools import ToolSpec
+from metaagent.tools import Effects, ToolSpec
 from metaagent.tools._upstream import AnswerBounds, JsonApi, require_key
 from metaagent.validation import ToolRequest
 
@@ -201,4 +201,5 @@ EMBEDDINGS = ToolSpec(
     "Turn text into embedding vectors (OpenAI)",
     _invoke,
     error_statuses=(400, 422, 502, 503, 504),
+    effects=Effects(read_only=True, idempotent=True, open_world=True),
 )

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, ValidationError
 from metaagent.egress.guard import EgressGuard
 from metaagent.redaction import TooDeep
 from metaagent.settings import Settings
-from metaagent.tools import ToolSpec
+from metaagent.tools import Effects, ToolSpec
 from metaagent.tools._upstream import AnswerBounds, JsonApi, require_key
 from metaagent.validation import ToolRequest
 
@@ -164,4 +164,5 @@ SEARCH = ToolSpec(
     "Search the web (Google, through Serper)",
     _invoke,
     error_statuses=(400, 422, 502, 503, 504),
+    effects=Effects(read_only=True, idempotent=True, open_world=True),
 )
