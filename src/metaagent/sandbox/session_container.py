@@ -94,6 +94,8 @@ class CallOutcome:
     duration_ms: int
     result: str | None = None
     result_bytes: int = 0
+    result_incomplete: bool = False  # the runner says the result is not the whole value, though it fits
+    thrown: object = None  # what the call threw, as the container describes it: unchecked (the service checks it)
     timed_out: bool = False
     killed: bool = False
     ended: str | None = None  # the session's end reason, when the call ended it
@@ -442,6 +444,8 @@ class SessionContainer:
             duration_ms,
             result=result if isinstance(result, str) else None,
             result_bytes=result_bytes if type(result_bytes) is int and result_bytes >= 0 else 0,
+            result_incomplete=message.get("result_incomplete") is True,
+            thrown=message.get("error") if status == "threw" else None,
             timed_out=timed_out and status == "interrupted",
             killed=killed and status == "interrupted",
         )

@@ -66,10 +66,32 @@ class SessionExecuteRequest(ToolRequest):
     timeout_s: int = Field(default=8, ge=1, le=300, description="Wall-clock limit of this call in seconds.")
 
 
+class CallError(BaseModel):
+    """Why a call did not complete normally: a thrown error (its own name, message and stack, each at most
+    4 KiB), or one of the names Timeout, Killed, OutOfMemory, Exited for a call that did not complete."""
+
+    name: str = Field(
+        description="The thrown error's own name (TypeError, ...; ThrownValue for a thrown non-Error), "
+        "or Timeout, Killed, OutOfMemory or Exited."
+    )
+    message: str = Field(description="What happened, and what to do about it.")
+    stack: str | None = Field(default=None, description="The thrown error as printed; null for the other kinds.")
+
+
+class ImageOut(BaseModel):
+    mime: str = Field(description="The image's media type, e.g. image/png.")
+    data: str = Field(description="The image's bytes, base64.")
+
+
 class SessionExecuteResponse(CodeInterpreterResponse):
     session_id: str
     result: str | None = Field(description="The value of the last expression, as the Node.js REPL shows it.")
-    result_truncated: bool
+    result_truncated: bool = Field(description="The result is not the whole value (it was cut at the 50 KiB cap).")
+    error: CallError | None = Field(description="Null when the call completed normally; otherwise why it did not.")
+    images: list[ImageOut] = Field(
+        default_factory=list, description="Figures the call displayed (at most 8, 4 MiB in all); empty for JavaScript."
+    )
+    images_truncated: bool = Field(default=False, description="Figures past the limits were left out.")
     session_ended: bool = Field(description="The call ended the session (its process exited, or it was killed).")
 
 

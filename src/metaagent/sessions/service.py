@@ -52,6 +52,7 @@ from metaagent.sandbox.session_container import (
     SessionContainer,
     SessionGone,
 )
+from metaagent.sessions.call_errors import call_error
 from metaagent.sessions.models import (
     FileDeleted,
     FileInfo,
@@ -522,7 +523,14 @@ class Sessions:
         finally:
             if execution is not None:
                 self._audit_call(session_id, execution, request.code, outcome, failure)
-        return _response(session_id, execution.execution_id, outcome, queued_ms)
+        return _response(
+            session_id,
+            execution.execution_id,
+            outcome,
+            queued_ms,
+            timeout_s=request.timeout_s,
+            memory_mb=session.config.memory_mb,
+        )
 
     def _audit_call(
         self, session_id: str, execution: Execution, code: str, outcome: CallOutcome | None, failure: str
@@ -641,13 +649,15 @@ def _file_error(session: Session, path: str, exc: FileRefused | SessionGone) -> 
     return Unavailable(f"The session could not do the file request: {exc.message}")
 
 
-def _capped_result(result: str | None, produced: int) -> tuple[str | None, bool]:
+def _capped_result(result: str | None, produced: int, incomplete: bool = False) -> tuple[str | None, bool]:
+    """The result as answered, and whether it is not the whole value: cut here at RESULT_CAP, or, as the
+    runner says (`incomplete`), not the whole value though it fits (inspect could not show all of it)."""
     if result is None:
         return None, False
     data = result.encode()
     produced = max(produced, len(data))
     if produced <= RESULT_CAP:
-        return result, False
+        return result, incomplete
     shown = data[:RESULT_CAP].decode("utf-8", "ignore")  # the cap may cut the last character: it goes
     return f"{shown}\n[result truncated: {produced} bytes, the first {len(shown.encode())} shown]\n", True
 
@@ -671,9 +681,16 @@ def _flags(outcome: CallOutcome) -> _Flags:
     )
 
 
-def _response(session_id: str, execution_id: str, outcome: CallOutcome, queued_ms: int) -> SessionExecuteResponse:
+def _response(
+    session_id: str, execution_id: str, outcome: CallOutcome, queued_ms: int, *, timeout_s: int, memory_mb: int
+) -> SessionExecuteResponse:
     flags = _flags(outcome)
-    result, truncated = _capped_result(outcome.result if outcome.status == "ok" else None, outcome.result_bytes)
+    result, truncated = _capped_result(
+        outcome.result if outcome.status == "ok" else None, outcome.result_bytes, outcome.result_incomplete
+    )
+    error = call_error(
+        outcome, timed_out=flags.timed_out, killed=flags.killed, timeout_s=timeout_s, memory_mb=memory_mb
+    )
     return SessionExecuteResponse(
         execution_id=execution_id,
         exit_code=flags.exit_code,
@@ -689,6 +706,7 @@ def _response(session_id: str, execution_id: str, outcome: CallOutcome, queued_m
         session_id=session_id,
         result=result,
         result_truncated=truncated,
+        error=error,
         session_ended=flags.ended,
     )
 

@@ -6,16 +6,20 @@
 // Its fds are pipes to the supervisor and nothing else: calls come on fd 0 as `x {id, code}` frames (the
 // id a token the supervisor made for the call)
 // (one type byte, a 32-bit big-endian length, the JSON), answers leave on fd 3 as `r {id, status,
-// result, result_bytes}` frames, and the program's stdout and stderr are its fds 1 and 2, raw. The
+// result, result_bytes, result_incomplete, error}` frames, and the program's stdout and stderr are its fds 1 and 2, raw. The
 // program can write anything anywhere it reaches: the supervisor checks every answer and frames every
 // output byte itself, so a forged frame is only ever output, or a broken answer that ends this process.
 //
 // An interrupt is SIGINT: it stops the call that runs (a synchronous loop included, through vm's
 // breakOnSigint, or an await that has not settled) and the session lives on, as after Ctrl-C in the
-// Node.js REPL.
+// Node.js REPL. The display of the call's value or error runs under the same interrupt: it is
+// util.inspect, synchronous, over a value (and getters, Proxies, custom inspectors) that the program made.
 
 const fs = require('fs');
 const util = require('util');
+const vm = require('vm');
+const crypto = require('crypto');
+const bufferModule = require('buffer');
 const Module = require('module');
 const { Buffer } = require('buffer');
 
@@ -37,6 +41,14 @@ const BufferPrototypeToString = Buffer.prototype.toString;
 const BufferPrototypeReadUInt32BE = Buffer.prototype.readUInt32BE;
 const TypedArrayPrototypeSubarray = Uint8Array.prototype.subarray;
 const StringFromCharCode = String.fromCharCode;
+const StringPrototypeSlice = String.prototype.slice;
+const StringPrototypeEndsWith = String.prototype.endsWith;
+const ReflectDefineProperty = Reflect.defineProperty;
+const ReflectDeleteProperty = Reflect.deleteProperty;
+const ScriptPrototypeRunInThisContext = vm.Script.prototype.runInThisContext;
+const isNativeError = util.types.isNativeError;
+const ErrorConstructor = Error;
+const NumberIsFinite = Number.isFinite;
 
 const WORKSPACE = '/workspace';
 const ROOTS = [WORKSPACE, '/tmp'];
@@ -46,6 +58,14 @@ const MAX_INPUT_FRAME = 2 * 1024 * 1024; // a call's code (1 MiB) in JSON, with 
 const CHUNK = 64 * 1024;
 const ANSWERS = 3; // the pipe of the answers to the supervisor
 const MAX_RESULT_BYTES = 64 * 1024; // the service keeps 50 KiB of it
+const MAX_ERROR_FIELD = 4096; // characters of an error's name, message and stack (the service: 4 KiB each)
+// inspect's own abbreviations, each past what the result can hold: more items than MAX_RESULT_BYTES
+// (each takes a byte at least), a string longer than that, a Buffer of more bytes than a third of it
+// (three characters a byte). No depth limit: inspect catches its own stack overflow (a marker that says
+// so, which makes the result incomplete).
+const INSPECT_OPTIONS = { __proto__: null, showProxy: true, depth: Infinity, maxArrayLength: MAX_RESULT_BYTES, maxStringLength: MAX_RESULT_BYTES };
+const INSPECT_MAX_BYTES = Math.ceil(MAX_RESULT_BYTES / 3);
+const STACK_OVERFLOW_MARKER = 'Maximum call stack size exceeded.]';
 const EXIT_BAD_FRAME = 70;
 
 function frame(type, payload) {
@@ -67,6 +87,7 @@ function loadSessionParts() {
 
 function runSession({ stdio, gate, initial, unixSockets }) {
   const { processTopLevelAwait, createFsGate } = loadSessionParts();
+  prepareGuard();
   const reply = (message) => stdio.writeAll(ANSWERS, frame('r', BufferFrom(JSONStringify(message), 'utf8')));
   const rawWrite = (fd, bytes) => stdio.writeAll(fd, bytes);
 
@@ -94,13 +115,7 @@ function runSession({ stdio, gate, initial, unixSockets }) {
   let current = null; // the call that runs: {id, settle}
 
   const printUncaught = (error) => {
-    let text;
-    try {
-      text = cleanStack(inspect(error)); // as the REPL shows it: the stack, then the error's own fields
-    } catch {
-      text = '[an error that cannot be shown]';
-    }
-    rawWrite(stdio.STDERR, BufferFrom(`Uncaught ${text}\n`, 'utf8'));
+    rawWrite(stdio.STDERR, BufferFrom(`Uncaught ${printedError(error)}\n`, 'utf8'));
   };
   // As in the REPL: an error thrown later (by a timer, a rejected promise nobody awaited) is printed and
   // the session lives on. (A program that removes these listeners ends its own session when it throws.)
@@ -116,19 +131,6 @@ function runSession({ stdio, gate, initial, unixSockets }) {
     reply({ id, ...outcome });
   }
 
-  function display(value) {
-    if (value === undefined) return { result: null };
-    let text;
-    try {
-      text = inspect(value, { showProxy: true });
-    } catch (error) {
-      text = `[the value cannot be shown: ${error && error.message}]`;
-    }
-    const bytes = BufferFrom(text, 'utf8');
-    if (bytes.length <= MAX_RESULT_BYTES) return { result: text, result_bytes: bytes.length };
-    return { result: bytes.subarray(0, MAX_RESULT_BYTES).toString('utf8'), result_bytes: bytes.length };
-  }
-
   function execute(id, code) {
     calls += 1;
     const filename = `REPL${calls}`;
@@ -139,6 +141,23 @@ function runSession({ stdio, gate, initial, unixSockets }) {
       finishCall(id, outcome);
     };
     current = { id, settle };
+    // The call's value, shown under the interrupt (see `guarded`).
+    const completed = (value) => {
+      if (settled) return;
+      const shown = guarded(() => display(value));
+      settle(shown === INTERRUPTED ? { status: 'interrupted' } : { status: 'ok', ...shown });
+    };
+    // What the call threw, printed on stderr as the REPL prints it, and answered as data.
+    const threw = (thrown) => {
+      if (settled) return;
+      const report = guarded(() => thrownReport(thrown));
+      if (report === INTERRUPTED) {
+        settle({ status: 'interrupted' });
+        return;
+      }
+      rawWrite(stdio.STDERR, BufferFrom(`Uncaught ${report.printed}\n`, 'utf8'));
+      settle({ status: 'threw', error: report.error });
+    };
     let source = code;
     let awaited = false;
     try {
@@ -150,25 +169,18 @@ function runSession({ stdio, gate, initial, unixSockets }) {
         }
       }
       const script = gate.scriptFor(source, filename, sessionModule);
-      const value = script.runInThisContext({ __proto__: null, breakOnSigint: true, displayErrors: false });
+      const value = ReflectApply(ScriptPrototypeRunInThisContext, script, [{ __proto__: null, breakOnSigint: true, displayErrors: false }]);
       if (!awaited) {
-        settle({ status: 'ok', ...display(value) });
+        completed(value);
         return;
       }
-      ReflectApply(PromisePrototypeThen, value, [
-        (result) => settle({ status: 'ok', ...display(result) }),
-        (error) => {
-          if (!settled) printUncaught(error);
-          settle({ status: 'threw' });
-        },
-      ]);
+      ReflectApply(PromisePrototypeThen, value, [completed, threw]);
     } catch (error) {
       if (error && error.code === 'ERR_SCRIPT_EXECUTION_INTERRUPTED') {
         settle({ status: 'interrupted' });
         return;
       }
-      printUncaught(error);
-      settle({ status: 'threw' });
+      threw(error);
     }
   }
 
@@ -217,6 +229,130 @@ function runSession({ stdio, gate, initial, unixSockets }) {
   reply({ id: 0, status: 'ready' });
   consume();
   readMore();
+}
+
+// --- showing values and errors ---
+
+const INTERRUPTED = Symbol('interrupted');
+// `task()` run inside a vm script with breakOnSigint, so that an interrupt stops it as it stops a call's
+// own code; INTERRUPTED if it did. The script reaches `task` through a property of the global object
+// with an unguessable name, there only while it runs.
+let guard = null; // {key, script}, made when a session starts (see prepareGuard)
+function prepareGuard() {
+  const key = `__metaagent_${crypto.randomBytes(12).toString('hex')}`;
+  guard = { key, script: new vm.Script(`this[${JSONStringify(key)}]()`, { filename: 'metaagent-display' }) };
+}
+function guarded(task) {
+  const { key, script } = guard;
+  if (!ReflectDefineProperty(globalThis, key, { __proto__: null, value: task, configurable: true })) {
+    return task(); // a global object the program froze: shown without the interrupt
+  }
+  try {
+    return ReflectApply(ScriptPrototypeRunInThisContext, script, [{ __proto__: null, breakOnSigint: true, displayErrors: false }]);
+  } catch (error) {
+    if (error && error.code === 'ERR_SCRIPT_EXECUTION_INTERRUPTED') return INTERRUPTED;
+    throw error;
+  } finally {
+    ReflectDeleteProperty(globalThis, key);
+  }
+}
+
+// The call's value as the REPL shows it, whole up to MAX_RESULT_BYTES: {result, result_bytes}, and
+// `result_incomplete: true` when the text is not the whole value (inspect cut it short, or it threw)
+// though it fits. Once what inspect has shown passes MAX_RESULT_BYTES the text cannot fit whatever
+// follows, and inspect is told to stop descending (a value shared a thousand times in a graph would
+// otherwise be shown a thousand times over).
+function display(value) {
+  if (value === undefined) return { result: null };
+  let shown = 0;
+  let stopped = false;
+  let overflowed = false;
+  const options = {
+    ...INSPECT_OPTIONS,
+    stylize(text, styleType) {
+      shown += text.length;
+      if (styleType === 'special' && ReflectApply(StringPrototypeEndsWith, text, [STACK_OVERFLOW_MARKER])) overflowed = true;
+      if (shown > MAX_RESULT_BYTES && this !== null && typeof this === 'object') {
+        this.depth = -1; // `this` is inspect's context: what is left is shown as [Object]
+        stopped = true;
+      }
+      return text;
+    },
+  };
+  let text;
+  let incomplete = false;
+  let maxBytes;
+  try {
+    maxBytes = bufferModule.INSPECT_MAX_BYTES;
+    bufferModule.INSPECT_MAX_BYTES = INSPECT_MAX_BYTES;
+  } catch {
+    maxBytes = undefined;
+  }
+  try {
+    text = inspect(value, options);
+  } catch (error) {
+    text = `[the value cannot be shown: ${safeMessage(error)}]`;
+    incomplete = true;
+  } finally {
+    try {
+      if (NumberIsFinite(maxBytes)) bufferModule.INSPECT_MAX_BYTES = maxBytes;
+    } catch { /* the program's own setting stays as it is */ }
+  }
+  if (typeof text !== 'string') {
+    text = '[the value cannot be shown]';
+    incomplete = true;
+  }
+  const bytes = BufferFrom(text, 'utf8');
+  if (bytes.length > MAX_RESULT_BYTES) {
+    const cut = ReflectApply(BufferPrototypeToString, ReflectApply(TypedArrayPrototypeSubarray, bytes, [0, MAX_RESULT_BYTES]), ['utf8']);
+    return { result: cut, result_bytes: bytes.length };
+  }
+  if (overflowed || stopped) incomplete = true; // stopped yet within the cap: a custom inspector hid what it showed
+  return incomplete ? { result: text, result_bytes: bytes.length, result_incomplete: true } : { result: text, result_bytes: bytes.length };
+}
+
+// A thrown value's message, for a text that must not throw again.
+function safeMessage(error) {
+  try {
+    const message = error && error.message;
+    if (typeof message === 'string') return capped(message);
+  } catch { /* a getter that throws */ }
+  return 'an error that cannot be shown';
+}
+
+function capped(text) {
+  return text.length <= MAX_ERROR_FIELD ? text : ReflectApply(StringPrototypeSlice, text, [0, MAX_ERROR_FIELD]);
+}
+
+function printedError(error) {
+  try {
+    const text = cleanStack(inspect(error)); // the stack, then the error's own fields, as the REPL shows it
+    if (typeof text === 'string') return text;
+  } catch { /* an inspect that throws */ }
+  return '[an error that cannot be shown]';
+}
+
+// What a call threw: the text the REPL prints, and {name, message, stack} for the answer. An Error has
+// its own name and message and the printed text as its stack; any other value (`throw 5`) is a
+// ThrownValue whose message is the value as shown.
+function thrownReport(thrown) {
+  const printed = printedError(thrown);
+  let isError = false;
+  try {
+    isError = isNativeError(thrown) || thrown instanceof ErrorConstructor;
+  } catch { /* a Proxy's trap that throws: a value */ }
+  if (!isError) {
+    return { printed, error: { name: 'ThrownValue', message: capped(printed), stack: null } };
+  }
+  let name = 'Error';
+  try {
+    if (typeof thrown.name === 'string' && thrown.name.length > 0) name = capped(thrown.name);
+  } catch { /* a getter that throws */ }
+  let message = '';
+  try {
+    if (typeof thrown.message === 'string') message = capped(thrown.message);
+  } catch { /* a getter that throws */ }
+  return { printed, error: { name, message, stack: capped(printed) } };
 }
 
 // Stack lines inside the runner and node's vm plumbing say nothing to the program's author.

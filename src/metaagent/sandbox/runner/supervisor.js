@@ -24,7 +24,7 @@
 //   D {id, path}       delete a file
 //
 // To the program (its fd 0) go only `x` frames, each with a fresh token for its id; from it (its fd 3)
-// come only `r` answers, each checked here. Its stdout and stderr are raw bytes: this process frames them as they come, and of each output
+// come only `r` answers {id, status, result, result_bytes, result_incomplete, error}, each checked here. Its stdout and stderr are raw bytes: this process frames them as they come, and of each output
 // window (from one call's answer to the next's) forwards at most what the service keeps (its 50 KiB
 // and 25 KiB caps) and counts the rest, which the next answer reports (`stdout_skipped`,
 // `stderr_skipped`). So a program that floods its output, between calls or during one, costs the
@@ -44,6 +44,8 @@ const MAX_INPUT_FRAME = 2 * 1024 * 1024; // a call's code (1 MiB) in JSON, with 
 const MAX_PROGRAM_FRAME = 1024 * 1024; // an answer: a 64 KiB result, JSON-escaped
 const CHUNK = 64 * 1024;
 const MAX_RESULT_BYTES = 64 * 1024; // the service keeps 50 KiB of it
+const MAX_ERROR_FIELD = 4096; // characters of a thrown error's name, message and stack (the service keeps 4 KiB)
+const ERROR_KEYS = ['name', 'message', 'stack'];
 // What the service keeps of each stream per call: STDOUT_CAP and STDERR_CAP in sandbox/execute.py.
 const OUTPUT_BUDGET = { __proto__: null, o: 50 * 1024, e: 25 * 1024 };
 const OUTPUT_FLUSH_MS = 20; // how long output may wait to share a frame (streaming's added latency)
@@ -66,6 +68,19 @@ const modifiedAt = (stat) => {
   const ms = Number(stat.mtimeMs);
   return new Date(Number.isFinite(ms) ? Math.min(Math.max(ms, 0), LATEST_MS) : 0).toISOString();
 };
+
+// What a call threw, as the program describes it: {name, message, stack} of strings (stack may be null),
+// each cut to MAX_ERROR_FIELD characters; anything else is dropped (the service then says only that the
+// call threw).
+function checkedError(error) {
+  if (error === null || typeof error !== 'object' || Array.isArray(error)) return null;
+  const keys = Object.keys(error);
+  if (keys.length !== 3 || !ERROR_KEYS.every((key) => keys.includes(key))) return null;
+  const { name, message, stack } = error;
+  if (typeof name !== 'string' || typeof message !== 'string' || (stack !== null && typeof stack !== 'string')) return null;
+  const cut = (text) => (text.length <= MAX_ERROR_FIELD ? text : text.slice(0, MAX_ERROR_FIELD));
+  return { name: cut(name), message: cut(message), stack: stack === null ? null : cut(stack) };
+}
 
 function frame(type, payload) {
   const header = Buffer.alloc(HEADER);
@@ -227,6 +242,11 @@ function runSupervisor({ stdio, programHeader, initial }) {
       checked.result = bytes.length <= MAX_RESULT_BYTES ? message.result : bytes.subarray(0, MAX_RESULT_BYTES).toString('utf8');
       const claimed = message.result_bytes;
       checked.result_bytes = Number.isSafeInteger(claimed) && claimed >= bytes.length ? claimed : bytes.length;
+      if (message.result_incomplete === true) checked.result_incomplete = true;
+    }
+    if (message.status === 'threw') {
+      const error = checkedError(message.error);
+      if (error !== null) checked.error = error;
     }
     // Whatever the program wrote before it answered belongs to this call: take it off the pipes first.
     drainNow(programStdout, (bytes) => output('o', bytes));
