@@ -13,7 +13,7 @@ import httpx2
 import pytest
 
 from metaagent.access import ExecutionQuota, KeyRing, key_id
-from metaagent.app import create_app
+from metaagent.app import TOOLS, create_app
 from metaagent.errors import AtCapacity, ConfigError
 from metaagent.tenancy import Caller
 from metaagent.tools.code_interpreter import Admission
@@ -121,14 +121,7 @@ async def test_health_is_open_for_probes_and_everything_else_opens_with_a_key(se
     assert health.status_code == 200
     assert set(health.json()) == {"status"}  # without a key, the status alone
     assert tools.status_code == 200
-    assert [t["name"] for t in tools.json()["tools"]] == [
-        "http",
-        "code_interpreter",
-        "search",
-        "embeddings",
-        "session_create",
-        "session_close",
-    ]
+    assert [t["name"] for t in tools.json()["tools"]] == [spec.name for spec in TOOLS]
     assert blocked.status_code == 400  # past the key check, stopped by the allow-list
     assert metrics.status_code == 403  # service-wide figures: an operator's key only
 

@@ -33,6 +33,7 @@ from tests.live_service import serving
 from tests.strategies import Slot, lone_surrogates, over_long, place, string_slots, with_hostile_strings
 from tests.test_cli import free_port
 from tests.test_mcp import INITIALIZE, MCP_HEADERS
+from tests.test_strict_schemas import REQUIRED_VALUES
 
 CODE_INTERPRETER = ("tool_code_interpreter", "tool_code_interpreter_by_name")
 SESSION_CREATE = ("session_create", "tool_session_create")
@@ -93,14 +94,7 @@ def test_invalid_code_interpreter_requests_get_a_4xx(service_url: str, case: sch
 
 
 # A request of each tool that its model accepts; each slot of each is then filled with hostile text.
-VALID: dict[str, dict[str, Any]] = {
-    "http": {"url": "http://127.0.0.1:9/"},
-    "code_interpreter": {"code": "console.log(1)"},
-    "search": {"q": "x"},
-    "embeddings": {"input": "x"},
-    "session_create": {},
-    "session_close": {"session_id": "ses_0"},
-}
+VALID = REQUIRED_VALUES  # a valid call of each tool
 # Where each tool takes a JSON body over HTTP (session_close's one field is in the URL of DELETE /sessions/{id}).
 HTTP_PATHS = {spec.name: spec.path for spec in TOOLS if spec.path is not None} | {"session_create": "/sessions"}
 ALL_SLOTS = [(spec, slot) for spec in TOOLS for slot in string_slots(spec.parameters_schema())]
