@@ -19,6 +19,8 @@ from mcp.client.stdio import stdio_client
 
 from metaagent.app import TOOLS, create_app
 from metaagent.hosts import transport_security
+from metaagent.sessions.models import SessionExecuteResponse
+from metaagent.tools.code_interpreter import CodeInterpreterResponse
 from tests.conftest import ServiceFactory, make_settings
 from tests.fake_upstreams import SERPER_KEY
 from tests.live_service import serving
@@ -107,6 +109,18 @@ async def test_each_tool_carries_annotations_that_say_what_a_call_does(tmp_path:
     assert hints["session_close"] == (False, True, True, False)
     assert hints["session_create"] == (False, False, False, False)
     assert hints["code_interpreter"] == (False, True, False, True)
+
+
+async def test_code_interpreters_output_schema_has_a_session_calls_fields_as_optional(tmp_path: Path) -> None:
+    # A client that builds objects from the output schema (fastmcp's `.data`) keeps `result` and `error`.
+    with anyio.fail_after(TIMEOUT_S):
+        async with in_process(tmp_path) as client:
+            listed = {t.name: t for t in (await client.list_tools()).tools}
+    schema = listed["code_interpreter"].output_schema
+    assert schema is not None
+    session_fields = set(SessionExecuteResponse.model_fields) - set(CodeInterpreterResponse.model_fields)
+    assert {"session_id", "result", "error", "images"} <= session_fields <= set(schema["properties"])
+    assert not session_fields & set(schema["required"])  # a one-shot run's answer has none of them
 
 
 @pytest.mark.security

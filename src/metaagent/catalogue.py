@@ -8,6 +8,7 @@ from metaagent.sandbox.output import OutputSink
 from metaagent.services import Services
 from metaagent.sessions import file_tools
 from metaagent.sessions.models import (
+    CodeInterpreterAnswer,
     FileContent,
     FileList,
     FileWritten,
@@ -92,7 +93,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "code_interpreter",
         "/tools/code-interpreter",
         CodeInterpreterRequest,
-        CodeInterpreterResponse,
+        CodeInterpreterAnswer,  # a one-shot run's answer, or with session_id a session call's
         "Run JavaScript in a fresh, isolated container",
         _run_code,
         error_statuses=(400, 422, 429, 502, 503, 504),

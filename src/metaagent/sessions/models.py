@@ -4,9 +4,9 @@ schemas of the session tools (session_create, session_close and the file tools),
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
 from metaagent.tools.code_interpreter import (
     DEFAULT_MEMORY_MB,
@@ -93,6 +93,27 @@ class SessionExecuteResponse(CodeInterpreterResponse):
     )
     images_truncated: bool = Field(default=False, description="Figures past the limits were left out.")
     session_ended: bool = Field(description="The call ended the session (its process exited, or it was killed).")
+
+
+def _answer_of_either_kind() -> type[CodeInterpreterResponse]:
+    """The answer of the code_interpreter tool, as its output schema states it: a one-shot run's fields, and
+    a session call's (with `session_id`) as optional ones, so that a client that builds objects from the
+    schema (fastmcp's `.data`) keeps them. Derived from `SessionExecuteResponse`, so the two cannot drift."""
+    session_only: dict[str, Any] = {}
+    for name, field in SessionExecuteResponse.model_fields.items():
+        if name not in CodeInterpreterResponse.model_fields:
+            optional = field.annotation | None  # type: ignore[operator]  # an annotation is a type at run time
+            session_only[name] = (optional, Field(default=None, description=f"With session_id: {field.description}"))
+    answer: type[CodeInterpreterResponse] = create_model(
+        "CodeInterpreterAnswer",
+        __base__=CodeInterpreterResponse,
+        __doc__=CodeInterpreterResponse.__doc__,
+        **session_only,
+    )
+    return answer
+
+
+CodeInterpreterAnswer = _answer_of_either_kind()
 
 
 class SessionCloseRequest(ToolRequest):
