@@ -15,6 +15,15 @@ import pytest
 import metaagent
 import metaagent.client
 from metaagent.app import TOOLS, create_app
+from metaagent.client import (
+    CodeInterpreterResponse,
+    EmbeddingsResponse,
+    ExecutionInfo,
+    ExecutionList,
+    HttpResponse,
+    KillResult,
+    SearchResponse,
+)
 from metaagent.errors import MetaAgentError, ServiceError
 from tests.conftest import make_settings
 from tests.fake_upstreams import OPENAI_KEY, SERPER_KEY, fake_openai, fake_serper, vector_for
@@ -47,11 +56,14 @@ def test_client_round_trips_tools_health_http_search_and_embeddings(live_service
         routed = client.call_tool("search", {"q": "mcp", "num": 1})
     assert [t["name"] for t in tools] == [spec.name for spec in TOOLS]
     assert health["status"] in ("ok", "degraded")
-    assert fetched["status"] == 200
-    assert json.loads(fetched["body"])["body"] == "hi"
-    assert [r["link"] for r in found["results"]] == ["https://news.example.com/1", "https://news.example.com/2"]
-    assert [d["embedding"] for d in embedded["data"]] == [vector_for("a", 3), vector_for("bb", 3)]
-    assert len(routed["results"]) == 1
+    assert isinstance(fetched, HttpResponse)
+    assert fetched.status == 200
+    assert json.loads(fetched.body)["body"] == "hi"
+    assert isinstance(found, SearchResponse)
+    assert [r.link for r in found.results] == ["https://news.example.com/1", "https://news.example.com/2"]
+    assert isinstance(embedded, EmbeddingsResponse)
+    assert [d.embedding for d in embedded.data] == [vector_for("a", 3), vector_for("bb", 3)]
+    assert len(routed["results"]) == 1  # call_tool answers the JSON as it came, for the model
 
 
 async def test_async_client_round_trips_tools_health_http_search_and_embeddings(
@@ -66,11 +78,12 @@ async def test_async_client_round_trips_tools_health_http_search_and_embeddings(
         executions = await client.executions()
     assert {"http", "search", "embeddings"} <= {t["name"] for t in tools}
     assert "checks" in health
-    assert fetched["body"] == "hello from upstream"
-    assert [r["position"] for r in found["results"]] == [1, 2, 3]
-    assert found["answerBox"]["answer"] == "42"
-    assert embedded["data"] == [{"index": 0, "embedding": vector_for("hello")}]
-    assert executions == {"executions": []}
+    assert fetched.body == "hello from upstream"
+    assert [r.position for r in found.results] == [1, 2, 3]
+    assert found.answerBox is not None
+    assert found.answerBox["answer"] == "42"
+    assert [(d.index, d.embedding) for d in embedded.data] == [(0, vector_for("hello"))]
+    assert executions == ExecutionList(executions=[])
 
 
 def test_an_error_status_raises_service_error_with_the_status_and_the_services_message(live_service: str) -> None:
@@ -112,40 +125,124 @@ def mocked(captured: Captured, status: int = 200, answer: Any = None) -> httpx2.
     return httpx2.MockTransport(handle)
 
 
+RAN = {
+    "execution_id": "exe_1",
+    "exit_code": 0,
+    "stdout": "1\n",
+    "stderr": "",
+    "stdout_truncated": False,
+    "stderr_truncated": False,
+    "timed_out": False,
+    "oom_killed": False,
+    "duration_ms": 5,
+}
+FETCHED = {
+    "status": 200,
+    "headers": {},
+    "body": "",
+    "encoding": "utf-8",
+    "truncated": False,
+    "url": "https://x.example",
+}
+EMBEDDED = {"model": "m", "data": [{"index": 0, "embedding": [0.5]}], "usage": {"prompt_tokens": 1, "total_tokens": 1}}
+RUNNING = {
+    "execution_id": "a/b",
+    "container_id": None,
+    "started_at": "2026-12-01T15:45:19Z",
+    "timeout_s": 8,
+    "memory_mb": 256,
+    "state": "running",
+}
+
+
 @pytest.mark.parametrize(
-    ("call", "method", "path", "body"),
+    ("call", "method", "path", "body", "answer", "model"),
     [
-        (lambda c: c.http("https://x.example"), "POST", "/tools/http", {"url": "https://x.example"}),
+        (
+            lambda c: c.http("https://x.example"),
+            "POST",
+            "/tools/http",
+            {"url": "https://x.example"},
+            FETCHED,
+            HttpResponse,
+        ),
         (
             lambda c: c.code_interpreter("console.log(1)", timeout_s=5, packages=["lodash"]),
             "POST",
             "/tools/code-interpreter",
             {"code": "console.log(1)", "timeout_s": 5, "packages": ["lodash"]},
+            RAN,
+            CodeInterpreterResponse,
         ),
         (
             lambda c: c.call_tool("code_interpreter", {"code": "1"}),
             "POST",
             "/tools/code_interpreter",
             {"code": "1"},
+            RAN,
+            dict,
         ),
-        (lambda c: c.search("q", gl="de"), "POST", "/tools/search", {"q": "q", "gl": "de"}),
-        (lambda c: c.embeddings("t", model="m"), "POST", "/tools/embeddings", {"input": "t", "model": "m"}),
-        (lambda c: c.tools(), "GET", "/tools", None),
-        (lambda c: c.health(), "GET", "/health", None),
-        (lambda c: c.executions(), "GET", "/executions", None),
-        (lambda c: c.execution("a/b"), "GET", "/executions/a%2Fb", None),
-        (lambda c: c.kill_execution("e1"), "DELETE", "/executions/e1", None),
+        (
+            lambda c: c.search("q", gl="de"),
+            "POST",
+            "/tools/search",
+            {"q": "q", "gl": "de"},
+            {"type": "search", "results": []},
+            SearchResponse,
+        ),
+        (
+            lambda c: c.embeddings("t", model="m"),
+            "POST",
+            "/tools/embeddings",
+            {"input": "t", "model": "m"},
+            EMBEDDED,
+            EmbeddingsResponse,
+        ),
+        (lambda c: c.tools(), "GET", "/tools", None, {"tools": []}, dict),
+        (lambda c: c.health(), "GET", "/health", None, {"status": "ok"}, dict),
+        (lambda c: c.executions(), "GET", "/executions", None, {"executions": [RUNNING]}, ExecutionList),
+        (lambda c: c.execution("a/b"), "GET", "/executions/a%2Fb", None, RUNNING, ExecutionInfo),
+        (
+            lambda c: c.kill_execution("e1"),
+            "DELETE",
+            "/executions/e1",
+            None,
+            {"execution_id": "e1", "killed": True},
+            KillResult,
+        ),
     ],
 )
-def test_each_method_sends_the_documented_request(
-    call: Any, method: str, path: str, body: dict[str, Any] | None
+def test_each_method_sends_the_documented_request_and_answers_the_services_model(
+    call: Any, method: str, path: str, body: dict[str, Any] | None, answer: dict[str, Any], model: type[Any]
 ) -> None:
     captured: Captured = []
-    with metaagent.Client("http://service.test", transport=mocked(captured)) as client:
-        assert call(client) == {"ok": True}
+    with metaagent.Client("http://service.test", transport=mocked(captured, answer=answer)) as client:
+        result = call(client)
+    assert type(result) is model
+    assert result == (answer if model is dict else model.model_validate(answer))
     (request,) = captured
     assert (request.method, request.url.raw_path.decode()) == (method, path)
     assert (json.loads(request.content) if request.content else None) == body
+
+
+def test_fields_a_newer_service_adds_are_ignored_and_a_malformed_answer_is_a_502_service_error() -> None:
+    newer = {**RAN, "images": [], "a_field_of_tomorrow": 1}
+    with metaagent.Client("http://service.test", transport=mocked([], answer=newer)) as client:
+        assert client.code_interpreter("1").stdout == "1\n"
+    malformed = metaagent.Client("http://service.test", transport=mocked([], answer={"exit_code": "x"}))
+    with malformed, pytest.raises(ServiceError) as caught:
+        malformed.code_interpreter("1")
+    assert caught.value.status_code == 502
+    assert "execution_id" in caught.value.message
+
+
+async def test_the_async_client_answers_the_same_models() -> None:
+    transport = httpx2.MockTransport(lambda _request: httpx2.Response(200, json=RAN))
+    async with metaagent.AsyncClient("http://service.test", transport=transport) as client:
+        ran = await client.code_interpreter("1")
+        routed = await client.call_tool("code_interpreter", {"code": "1"})
+    assert ran == CodeInterpreterResponse.model_validate(RAN)
+    assert routed == RAN
 
 
 @pytest.mark.security

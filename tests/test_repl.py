@@ -56,8 +56,23 @@ def test_the_last_piped_block_needs_no_blank_line_and_exit_inside_a_block_is_cod
     assert list(piped_blocks(["a\n", ".exit\n", "\n", "b"])) == ["a\n.exit\n", "b"]
 
 
-def test_repl_without_a_service_says_so_and_exits_1(tmp_path: Path) -> None:
-    result = run(tmp_path, "repl", "--url", f"http://127.0.0.1:{free_port()}")
+def test_repl_without_a_service_names_the_url_nothing_answers_at_and_exits_1(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    result = run(tmp_path, "repl", "--url", url)
     assert result.returncode == 1
-    assert result.stderr.startswith("metaagent: no session: the service does not answer")
+    assert result.stderr.startswith(f"metaagent: no service answers at {url} (")
+    assert "metaagent serve" in result.stderr
     assert result.stdout == ""
+
+
+def test_repl_reads_the_service_url_from_metaagent_url(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    result = run(tmp_path, "repl", METAAGENT_URL=url)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"metaagent: no service answers at {url} (")
+
+
+def test_repl_at_a_url_that_is_not_this_service_says_so_and_exits_1(tmp_path: Path, upstream: str) -> None:
+    result = run(tmp_path, "repl", "--url", f"{upstream}/not-the-service")
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"metaagent: {upstream}/not-the-service is not a metaagent service: GET /health")

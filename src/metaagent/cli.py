@@ -235,8 +235,11 @@ def run(
     "input closes the session."
 )
 def repl(
-    url: Annotated[str, typer.Option(help="The running service.")] = "http://127.0.0.1:3102",
-    key: Annotated[str | None, typer.Option(help="API key (sent as Authorization: Bearer).")] = None,
+    url: Annotated[str, typer.Option(envvar="METAAGENT_URL", help="The running service.")] = "http://127.0.0.1:3102",
+    key: Annotated[
+        str | None,
+        typer.Option(envvar="METAAGENT_API_KEY", show_envvar=True, help="API key (sent as Authorization: Bearer)."),
+    ] = None,
     timeout: Annotated[int, typer.Option(min=1, max=300, help="Timeout of each call in seconds.")] = 8,
     memory: Annotated[int | None, typer.Option(min=64, max=1024, help="The session's memory limit in MiB.")] = None,
     idle_timeout: Annotated[

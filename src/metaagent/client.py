@@ -3,10 +3,14 @@
     from metaagent import Client
 
     with Client() as client:  # METAAGENT_URL and METAAGENT_API_KEY, or Client(url, api_key="...")
-        client.http("https://api.example.com/x")["body"]
-        client.call_tool("search", {"q": "mcp"})  # any tool by its name, as an agent asks for it
+        client.http("https://api.example.com/x").body
+        client.call_tool("search", {"q": "mcp"})  # any tool by its name, as an agent asks for it: a dict
 
-Every method returns the response's JSON body as it is documented in API.md (a dict). An error status
+Every method returns the response's body as the service's own model (`HttpResponse`,
+`CodeInterpreterResponse`, `SessionExecuteResponse`, `SessionRecord`, `FileWritten`, `FileList`, ...,
+validated from the JSON that API.md documents; fields the client does not know are ignored). Three
+answer the JSON as it came (a dict): `call_tool`, whose answer goes back to a model as JSON in a
+function-calling loop, `tools` and `health`. An error status
 raises a `ServiceError` (`metaagent.errors.ServiceError`), with the status and the service's own message
 (`.message`) and extra fields (`.extra`, e.g. `host`), as the subclass that names what it means:
 `NotFound`, `SessionEnded` (`.reason`), `RateLimited` (`.retry_after`), `PayloadTooLarge`, `WorkspaceFull`,
@@ -18,7 +22,7 @@ raises a `ServiceError` (`metaagent.errors.ServiceError`), with the status and t
         if isinstance(event, Output):
             print(event.text, end="")      # event.stream is "stdout" or "stderr"
         elif isinstance(event, Finished):
-            print(event.result["exit_code"])  # the body code_interpreter() would have returned
+            print(event.result.exit_code)  # the answer code_interpreter() would have returned
 
 (`async for` with `AsyncClient`). The last event is `Finished`; a failure after the start raises
 ServiceError. Leaving the loop early hangs up, which kills the execution. `session.stream(code)` (and
@@ -28,24 +32,79 @@ interrupts the call, and the session keeps its state.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Concatenate, Generic, Literal, ParamSpec, TypeVar, overload
 from urllib.parse import quote
 
 import httpx2
 from httpx2 import TransportError as TransportError  # re-exported: what a network failure raises
+from pydantic import BaseModel, ValidationError
 
 from metaagent.errors import ServiceError
+from metaagent.executions import ExecutionInfo, ExecutionList, KillResult
+from metaagent.sessions.models import (
+    FileDeleted,
+    FileInfo,
+    FileList,
+    FileWritten,
+    SessionClosed,
+    SessionEnding,
+    SessionExecuteResponse,
+    SessionList,
+    SessionRecord,
+)
+from metaagent.tools.code_interpreter import CodeInterpreterResponse
+from metaagent.tools.embeddings import EmbeddingsResponse
+from metaagent.tools.http import HttpResponse
+from metaagent.tools.search import SearchResponse
+
+__all__ = [
+    "AsyncClient",
+    "AsyncSession",
+    "Client",
+    "CodeInterpreterResponse",
+    "EmbeddingsResponse",
+    "ExecutionInfo",
+    "ExecutionList",
+    "FileDeleted",
+    "FileInfo",
+    "FileList",
+    "FileWritten",
+    "Finished",
+    "HttpResponse",
+    "KillResult",
+    "NotFound",
+    "Output",
+    "OutputDropped",
+    "PayloadTooLarge",
+    "RateLimited",
+    "Refused",
+    "SearchResponse",
+    "Session",
+    "SessionClosed",
+    "SessionEnded",
+    "SessionEnding",
+    "SessionExecuteResponse",
+    "SessionList",
+    "SessionRecord",
+    "StreamEvent",
+    "TransportError",
+    "Unavailable",
+    "WorkspaceFull",
+]
 
 DEFAULT_URL = "http://127.0.0.1:3102"
 # The longest tool call (a 300 s execution, or an HTTP request's 120 s) plus headroom.
 DEFAULT_TIMEOUT_S = 330.0
 
 SearchType = Literal["search", "news", "images"]
-Result = TypeVar("Result")
+Answer = TypeVar("Answer")
+Args = ParamSpec("Args")
+Model = TypeVar("Model", bound=BaseModel)
 EVENT_STREAM = "text/event-stream"
 
 
@@ -64,21 +123,44 @@ class OutputDropped:
     message: str
 
 
-@dataclass(frozen=True)
-class Finished:
-    """The last event: `result` is the body the call answers without streaming (API.md)."""
-
-    result: dict[str, Any]
-
-
-StreamEvent = Output | OutputDropped | Finished
+Ran = TypeVar("Ran", bound=CodeInterpreterResponse)
 
 
 @dataclass(frozen=True)
-class _Call:
+class Finished(Generic[Ran]):
+    """The last event: `result` is the answer the call gives without streaming (API.md), a
+    `CodeInterpreterResponse` (or, from a session, a `SessionExecuteResponse`)."""
+
+    result: Ran
+
+
+StreamEvent = Output | OutputDropped | Finished[Ran]
+
+
+def _json(body: dict[str, Any]) -> dict[str, Any]:
+    return body
+
+
+def _closed(body: dict[str, Any]) -> SessionClosed:
+    """A close answers `SessionClosed`, or `SessionEnding` when the engine has not confirmed it yet (a 202)."""
+    return SessionEnding.model_validate(body) if body.get("ending") else SessionClosed.model_validate(body)
+
+
+@dataclass(frozen=True)
+class _Call(Generic[Answer]):
+    """One request and how its JSON answer becomes the method's result (a model's validator, or as it came)."""
+
     method: str
     path: str
+    answer: Callable[[dict[str, Any]], Answer]
     body: dict[str, Any] | None = None
+
+    def result(self, response: httpx2.Response) -> Answer:
+        body = _result(response)
+        try:
+            return self.answer(body)
+        except ValidationError as exc:
+            raise ServiceError(502, f"Unexpected answer from the service: {exc}") from None
 
 
 def _fields(**values: Any) -> dict[str, Any]:
@@ -163,7 +245,7 @@ def _result(response: httpx2.Response) -> dict[str, Any]:
     raise service_error(response.status_code, f"Unexpected answer from the service: {text}")
 
 
-def _stream_event(sse: httpx2.ServerSentEvent) -> StreamEvent | None:
+def _stream_event(call: _Call[Ran], sse: httpx2.ServerSentEvent) -> StreamEvent[Ran] | None:
     """The typed form of one event (None for an event this client does not know); raises at `error`."""
     if sse.event not in ("stdout", "stderr", "dropped", "result", "error"):
         return None
@@ -175,16 +257,23 @@ def _stream_event(sse: httpx2.ServerSentEvent) -> StreamEvent | None:
         message = data.pop("error", "the call failed")
         raise service_error(status if isinstance(status, int) else 500, str(message), **data)
     if sse.event == "result":
-        return Finished(data)
+        try:
+            return Finished(call.answer(data))
+        except ValidationError as exc:
+            raise ServiceError(502, f"Unexpected result event from the service: {exc}") from None
     if sse.event == "dropped":
         return OutputDropped(str(data.get("message", "")))
     stream: Literal["stdout", "stderr"] = "stdout" if sse.event == "stdout" else "stderr"
     return Output(stream, str(data.get("text", "")))
 
 
-def _not_a_stream(response: httpx2.Response) -> Finished:
+def _not_a_stream(call: _Call[Ran], response: httpx2.Response) -> Finished[Ran]:
     """A refusal raises ServiceError; a service that answered JSON after all gives its body as the result."""
-    return Finished(_result(response))
+    return Finished(call.result(response))
+
+
+def _uploaded(response: httpx2.Response) -> FileWritten:
+    return _Call("PUT", "", _model(FileWritten)).result(response)
 
 
 def _is_event_stream(response: httpx2.Response) -> bool:
@@ -222,23 +311,55 @@ def _code_call(
     packages: list[str] | None,
     stdin: str | None,
     network: dict[str, Any] | None,
-) -> _Call:
+) -> _Call[CodeInterpreterResponse]:
     fields = _fields(
         code=code, timeout_s=timeout_s, memory_mb=memory_mb, packages=packages, stdin=stdin, network=network
     )
-    return _Call("POST", "/tools/code-interpreter", fields)
+    return _Call("POST", "/tools/code-interpreter", CodeInterpreterResponse.model_validate, fields)
 
 
-def _session_call(session_id: str, code: str, timeout_s: int | None) -> _Call:
-    return _Call("POST", f"{_session(session_id)}/execute", _fields(code=code, timeout_s=timeout_s))
+def _session_call(session_id: str, code: str, timeout_s: int | None) -> _Call[SessionExecuteResponse]:
+    fields = _fields(code=code, timeout_s=timeout_s)
+    return _Call("POST", f"{_session(session_id)}/execute", SessionExecuteResponse.model_validate, fields)
 
 
-class _Endpoints(Generic[Result]):
-    """Every endpoint of API.md, once; `_send` runs a call (blocking, or as an awaitable)."""
+def _model(model: type[Model]) -> Callable[[dict[str, Any]], Model]:
+    return model.model_validate
 
-    def _send(self, call: _Call) -> Result:
-        raise NotImplementedError
 
+class _Endpoint(Generic[Args, Answer]):
+    """An endpoint written once for both clients: `build` makes its `_Call`; from a `Client` the method
+    returns the answer, from an `AsyncClient` an awaitable of it (each client's `_send` runs the call)."""
+
+    def __init__(self, build: Callable[Concatenate[Any, Args], _Call[Answer]]) -> None:
+        self._build = build
+        self.__doc__ = build.__doc__
+
+    @overload
+    def __get__(self, client: None, owner: type[Any] | None = None) -> _Endpoint[Args, Answer]: ...
+    @overload
+    def __get__(self, client: Client, owner: type[Any] | None = None) -> Callable[Args, Answer]: ...
+    @overload
+    def __get__(self, client: AsyncClient, owner: type[Any] | None = None) -> Callable[Args, Awaitable[Answer]]: ...
+    def __get__(self, client: Any, owner: type[Any] | None = None) -> Any:
+        if client is None:
+            return self
+        build = self._build
+
+        @functools.wraps(build)
+        def send(*args: Args.args, **kwargs: Args.kwargs) -> Any:
+            return client._send(build(client, *args, **kwargs))
+
+        return send
+
+
+_endpoint = _Endpoint
+
+
+class _Endpoints:
+    """Every endpoint of API.md, once (see `_Endpoint`)."""
+
+    @_endpoint
     def http(
         self,
         url: str,
@@ -247,11 +368,12 @@ class _Endpoints(Generic[Result]):
         headers: dict[str, str] | None = None,
         body: str | None = None,
         timeout_s: float | None = None,
-    ) -> Result:
+    ) -> _Call[HttpResponse]:
         """`POST /tools/http`: one request to an allow-listed host."""
         fields = _fields(url=url, method=method, headers=headers, body=body, timeout_s=timeout_s)
-        return self._send(_Call("POST", "/tools/http", fields))
+        return _Call("POST", "/tools/http", _model(HttpResponse), fields)
 
+    @_endpoint
     def code_interpreter(
         self,
         code: str,
@@ -261,10 +383,11 @@ class _Endpoints(Generic[Result]):
         packages: list[str] | None = None,
         stdin: str | None = None,
         network: dict[str, Any] | None = None,
-    ) -> Result:
+    ) -> _Call[CodeInterpreterResponse]:
         """`POST /tools/code-interpreter`: run JavaScript in a fresh container."""
-        return self._send(_code_call(code, timeout_s, memory_mb, packages, stdin, network))
+        return _code_call(code, timeout_s, memory_mb, packages, stdin, network)
 
+    @_endpoint
     def search(
         self,
         q: str,
@@ -273,39 +396,51 @@ class _Endpoints(Generic[Result]):
         gl: str | None = None,
         hl: str | None = None,
         type: SearchType | None = None,
-    ) -> Result:
+    ) -> _Call[SearchResponse]:
         """`POST /tools/search`: web search through Serper."""
-        return self._send(_Call("POST", "/tools/search", _fields(q=q, num=num, gl=gl, hl=hl, type=type)))
+        fields = _fields(q=q, num=num, gl=gl, hl=hl, type=type)
+        return _Call("POST", "/tools/search", _model(SearchResponse), fields)
 
-    def embeddings(self, input: str | list[str], *, model: str | None = None, dimensions: int | None = None) -> Result:
+    @_endpoint
+    def embeddings(
+        self, input: str | list[str], *, model: str | None = None, dimensions: int | None = None
+    ) -> _Call[EmbeddingsResponse]:
         """`POST /tools/embeddings`: embedding vectors, in input order."""
         fields = _fields(input=input, model=model, dimensions=dimensions)
-        return self._send(_Call("POST", "/tools/embeddings", fields))
+        return _Call("POST", "/tools/embeddings", _model(EmbeddingsResponse), fields)
 
-    def call_tool(self, name: str, arguments: dict[str, Any]) -> Result:
-        """Any tool of `GET /tools` by its name (`code_interpreter`, `session_create`, ...), as a model calls it."""
-        return self._send(_Call("POST", tool_path(name), arguments))
+    @_endpoint
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> _Call[dict[str, Any]]:
+        """Any tool of `GET /tools` by its name (`code_interpreter`, `session_create`, ...), as a model calls it;
+        the answer is the JSON as it came (a dict), ready to go back to the model."""
+        return _Call("POST", tool_path(name), _json, arguments)
 
-    def tools(self) -> Result:
+    @_endpoint
+    def tools(self) -> _Call[dict[str, Any]]:
         """`GET /tools`: `{"tools": [...]}`, each in the OpenAI function-calling shape."""
-        return self._send(_Call("GET", "/tools"))
+        return _Call("GET", "/tools", _json)
 
-    def health(self) -> Result:
+    @_endpoint
+    def health(self) -> _Call[dict[str, Any]]:
         """`GET /health`: `{"status": "ok" | "degraded", "checks": {...}}`."""
-        return self._send(_Call("GET", "/health"))
+        return _Call("GET", "/health", _json)
 
-    def executions(self) -> Result:
+    @_endpoint
+    def executions(self) -> _Call[ExecutionList]:
         """`GET /executions`: `{"executions": [...]}`, every execution still running."""
-        return self._send(_Call("GET", "/executions"))
+        return _Call("GET", "/executions", _model(ExecutionList))
 
-    def execution(self, execution_id: str) -> Result:
+    @_endpoint
+    def execution(self, execution_id: str) -> _Call[ExecutionInfo]:
         """`GET /executions/{id}`: one running execution (ServiceError 404 when it is not running)."""
-        return self._send(_Call("GET", f"/executions/{quote(execution_id, safe='')}"))
+        return _Call("GET", f"/executions/{quote(execution_id, safe='')}", _model(ExecutionInfo))
 
-    def kill_execution(self, execution_id: str) -> Result:
+    @_endpoint
+    def kill_execution(self, execution_id: str) -> _Call[KillResult]:
         """`DELETE /executions/{id}`: kill it now; `{"execution_id": ..., "killed": true}`."""
-        return self._send(_Call("DELETE", f"/executions/{quote(execution_id, safe='')}"))
+        return _Call("DELETE", f"/executions/{quote(execution_id, safe='')}", _model(KillResult))
 
+    @_endpoint
     def create_session(
         self,
         *,
@@ -313,38 +448,46 @@ class _Endpoints(Generic[Result]):
         packages: list[str] | None = None,
         network: dict[str, Any] | None = None,
         idle_timeout_s: int | None = None,
-    ) -> Result:
+    ) -> _Call[SessionRecord]:
         """`POST /sessions`: open a session; its record (`session_id`, `expires_at`...)."""
         fields = _fields(memory_mb=memory_mb, packages=packages, network=network, idle_timeout_s=idle_timeout_s)
-        return self._send(_Call("POST", "/sessions", fields))
+        return _Call("POST", "/sessions", _model(SessionRecord), fields)
 
-    def sessions(self) -> Result:
+    @_endpoint
+    def sessions(self) -> _Call[SessionList]:
         """`GET /sessions`: `{"sessions": [...]}`, the caller's open sessions."""
-        return self._send(_Call("GET", "/sessions"))
+        return _Call("GET", "/sessions", _model(SessionList))
 
-    def session_record(self, session_id: str) -> Result:
+    @_endpoint
+    def session_record(self, session_id: str) -> _Call[SessionRecord]:
         """`GET /sessions/{id}`: the session's record (ServiceError 410, with the reason, once it has ended)."""
-        return self._send(_Call("GET", _session(session_id)))
+        return _Call("GET", _session(session_id), _model(SessionRecord))
 
-    def session_execute(self, session_id: str, code: str, *, timeout_s: int | None = None) -> Result:
+    @_endpoint
+    def session_execute(
+        self, session_id: str, code: str, *, timeout_s: int | None = None
+    ) -> _Call[SessionExecuteResponse]:
         """`POST /sessions/{id}/execute`: run code in the session; its state persists."""
-        return self._send(_session_call(session_id, code, timeout_s))
+        return _session_call(session_id, code, timeout_s)
 
-    def close_session(self, session_id: str) -> Result:
+    @_endpoint
+    def close_session(self, session_id: str) -> _Call[SessionClosed]:
         """`DELETE /sessions/{id}`: `{"session_id": ..., "closed": true}`; the container is gone. (When the
         engine cannot confirm that in time: `{"closed": false, "ending": true}`, and the service finishes it.)"""
-        return self._send(_Call("DELETE", _session(session_id)))
+        return _Call("DELETE", _session(session_id), _closed)
 
-    def session_files(self, session_id: str) -> Result:
+    @_endpoint
+    def session_files(self, session_id: str) -> _Call[FileList]:
         """`GET /sessions/{id}/files`: `{"files": [{"path", "size", "modified_at"}]}`."""
-        return self._send(_Call("GET", f"{_session(session_id)}/files"))
+        return _Call("GET", f"{_session(session_id)}/files", _model(FileList))
 
-    def delete_session_file(self, session_id: str, path: str) -> Result:
+    @_endpoint
+    def delete_session_file(self, session_id: str, path: str) -> _Call[FileDeleted]:
         """`DELETE /sessions/{id}/files/{path}`."""
-        return self._send(_Call("DELETE", _file(session_id, path)))
+        return _Call("DELETE", _file(session_id, path), _model(FileDeleted))
 
 
-class Client(_Endpoints[dict[str, Any]]):
+class Client(_Endpoints):
     """The blocking client. Use it as a context manager, or call `close()`."""
 
     def __init__(
@@ -358,8 +501,13 @@ class Client(_Endpoints[dict[str, Any]]):
         base_url, headers = _service(base_url, api_key)
         self._http = httpx2.Client(base_url=base_url, headers=headers, timeout=timeout_s, transport=transport)
 
-    def _send(self, call: _Call) -> dict[str, Any]:
-        return _result(self._http.request(call.method, call.path, json=call.body))
+    @property
+    def base_url(self) -> str:
+        """The service's URL this client talks to."""
+        return str(self._http.base_url).rstrip("/")
+
+    def _send(self, call: _Call[Answer]) -> Answer:
+        return call.result(self._http.request(call.method, call.path, json=call.body))
 
     def stream_code(
         self,
@@ -370,34 +518,34 @@ class Client(_Endpoints[dict[str, Any]]):
         packages: list[str] | None = None,
         stdin: str | None = None,
         network: dict[str, Any] | None = None,
-    ) -> Iterator[StreamEvent]:
+    ) -> Iterator[StreamEvent[CodeInterpreterResponse]]:
         """`POST /tools/code-interpreter` with `Accept: text/event-stream`: the output as it comes, then `Finished`."""
         return self._stream(_code_call(code, timeout_s, memory_mb, packages, stdin, network))
 
     def stream_session_execute(
         self, session_id: str, code: str, *, timeout_s: int | None = None
-    ) -> Iterator[StreamEvent]:
+    ) -> Iterator[StreamEvent[SessionExecuteResponse]]:
         """`POST /sessions/{id}/execute` streamed: the output as it comes, then `Finished` (leaving early interrupts
         the call; the session lives on)."""
         return self._stream(_session_call(session_id, code, timeout_s))
 
-    def _stream(self, call: _Call) -> Iterator[StreamEvent]:
+    def _stream(self, call: _Call[Ran]) -> Iterator[StreamEvent[Ran]]:
         with self._http.stream(call.method, call.path, json=call.body, headers={"Accept": EVENT_STREAM}) as response:
             if not _is_event_stream(response):
                 response.read()
-                yield _not_a_stream(response)
+                yield _not_a_stream(call, response)
                 return
             for sse in httpx2.EventSource(response):
-                event = _stream_event(sse)
+                event = _stream_event(call, sse)
                 if event is not None:
                     yield event
                     if isinstance(event, Finished):
                         return
         raise ServiceError(502, _UNFINISHED)
 
-    def upload(self, session_id: str, path: str, data: bytes) -> dict[str, Any]:
-        """`PUT /sessions/{id}/files/{path}`: `{"path", "size", "sha256"}`."""
-        return _result(self._http.put(_file(session_id, path), content=data))
+    def upload(self, session_id: str, path: str, data: bytes) -> FileWritten:
+        """`PUT /sessions/{id}/files/{path}`: the file's `path`, `size` and `sha256`."""
+        return _uploaded(self._http.put(_file(session_id, path), content=data))
 
     def download(self, session_id: str, path: str) -> bytes:
         """`GET /sessions/{id}/files/{path}`: the file's bytes (ServiceError 404 when there is none)."""
@@ -410,7 +558,7 @@ class Client(_Endpoints[dict[str, Any]]):
     def session(self, **config: Any) -> Iterator[Session]:
         """A session for the block (`memory_mb`, `packages`, `network`, `idle_timeout_s`), closed after it."""
         record = self.create_session(**config)
-        session = Session(self, record["session_id"])
+        session = Session(self, record.session_id)
         try:
             yield session
         finally:
@@ -427,7 +575,7 @@ class Client(_Endpoints[dict[str, Any]]):
         self.close()
 
 
-class AsyncClient(_Endpoints[Awaitable[dict[str, Any]]]):
+class AsyncClient(_Endpoints):
     """The asyncio/trio client. Use it as an async context manager, or await `aclose()`."""
 
     def __init__(
@@ -441,10 +589,15 @@ class AsyncClient(_Endpoints[Awaitable[dict[str, Any]]]):
         base_url, headers = _service(base_url, api_key)
         self._http = httpx2.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, transport=transport)
 
-    async def _request(self, call: _Call) -> dict[str, Any]:
-        return _result(await self._http.request(call.method, call.path, json=call.body))
+    @property
+    def base_url(self) -> str:
+        """The service's URL this client talks to."""
+        return str(self._http.base_url).rstrip("/")
 
-    def _send(self, call: _Call) -> Awaitable[dict[str, Any]]:
+    async def _request(self, call: _Call[Answer]) -> Answer:
+        return call.result(await self._http.request(call.method, call.path, json=call.body))
+
+    def _send(self, call: _Call[Answer]) -> Awaitable[Answer]:
         return self._request(call)
 
     def stream_code(
@@ -456,34 +609,34 @@ class AsyncClient(_Endpoints[Awaitable[dict[str, Any]]]):
         packages: list[str] | None = None,
         stdin: str | None = None,
         network: dict[str, Any] | None = None,
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncIterator[StreamEvent[CodeInterpreterResponse]]:
         """`POST /tools/code-interpreter` with `Accept: text/event-stream`: the output as it comes, then `Finished`."""
         return self._stream(_code_call(code, timeout_s, memory_mb, packages, stdin, network))
 
     def stream_session_execute(
         self, session_id: str, code: str, *, timeout_s: int | None = None
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncIterator[StreamEvent[SessionExecuteResponse]]:
         """`POST /sessions/{id}/execute` streamed (as `Client.stream_session_execute`)."""
         return self._stream(_session_call(session_id, code, timeout_s))
 
-    async def _stream(self, call: _Call) -> AsyncIterator[StreamEvent]:
+    async def _stream(self, call: _Call[Ran]) -> AsyncIterator[StreamEvent[Ran]]:
         headers = {"Accept": EVENT_STREAM}
         async with self._http.stream(call.method, call.path, json=call.body, headers=headers) as response:
             if not _is_event_stream(response):
                 await response.aread()
-                yield _not_a_stream(response)
+                yield _not_a_stream(call, response)
                 return
             async for sse in httpx2.EventSource(response):
-                event = _stream_event(sse)
+                event = _stream_event(call, sse)
                 if event is not None:
                     yield event
                     if isinstance(event, Finished):
                         return
         raise ServiceError(502, _UNFINISHED)
 
-    async def upload(self, session_id: str, path: str, data: bytes) -> dict[str, Any]:
-        """`PUT /sessions/{id}/files/{path}`: `{"path", "size", "sha256"}`."""
-        return _result(await self._http.put(_file(session_id, path), content=data))
+    async def upload(self, session_id: str, path: str, data: bytes) -> FileWritten:
+        """`PUT /sessions/{id}/files/{path}`: the file's `path`, `size` and `sha256`."""
+        return _uploaded(await self._http.put(_file(session_id, path), content=data))
 
     async def download(self, session_id: str, path: str) -> bytes:
         """`GET /sessions/{id}/files/{path}`: the file's bytes (ServiceError 404 when there is none)."""
@@ -496,7 +649,7 @@ class AsyncClient(_Endpoints[Awaitable[dict[str, Any]]]):
     async def session(self, **config: Any) -> AsyncIterator[AsyncSession]:
         """A session for the block, closed after it (as `Client.session`)."""
         record = await self.create_session(**config)
-        session = AsyncSession(self, record["session_id"])
+        session = AsyncSession(self, record.session_id)
         try:
             yield session
         finally:
@@ -520,15 +673,15 @@ class Session:
         self.client = client
         self.id = session_id
 
-    def execute(self, code: str, *, timeout_s: int | None = None) -> dict[str, Any]:
+    def execute(self, code: str, *, timeout_s: int | None = None) -> SessionExecuteResponse:
         """Runs code in the session; the answer has `result` (the last expression, as the REPL shows it)."""
         return self.client.session_execute(self.id, code, timeout_s=timeout_s)
 
-    def stream(self, code: str, *, timeout_s: int | None = None) -> Iterator[StreamEvent]:
+    def stream(self, code: str, *, timeout_s: int | None = None) -> Iterator[StreamEvent[SessionExecuteResponse]]:
         """`execute` with the output as it comes, then `Finished` (see `Client.stream_code`)."""
         return self.client.stream_session_execute(self.id, code, timeout_s=timeout_s)
 
-    def upload(self, path: str, data: bytes) -> dict[str, Any]:
+    def upload(self, path: str, data: bytes) -> FileWritten:
         return self.client.upload(self.id, path, data)
 
     @overload
@@ -540,18 +693,17 @@ class Session:
         data = self.client.download(self.id, path)
         return data.decode() if text else data
 
-    def files(self) -> list[dict[str, Any]]:
-        files: list[dict[str, Any]] = self.client.session_files(self.id)["files"]
-        return files
+    def files(self) -> list[FileInfo]:
+        return self.client.session_files(self.id).files
 
-    def delete(self, path: str) -> dict[str, Any]:
+    def delete(self, path: str) -> FileDeleted:
         return self.client.delete_session_file(self.id, path)
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> SessionRecord:
         """The session's record (`state`, `executions`, `expires_at`, ...); SessionEnded once it has ended."""
         return self.client.session_record(self.id)
 
-    def close(self) -> dict[str, Any]:
+    def close(self) -> SessionClosed:
         """Closes the session now (the block of `Client.session` also does when it ends)."""
         return self.client.close_session(self.id)
 
@@ -563,13 +715,13 @@ class AsyncSession:
         self.client = client
         self.id = session_id
 
-    async def execute(self, code: str, *, timeout_s: int | None = None) -> dict[str, Any]:
+    async def execute(self, code: str, *, timeout_s: int | None = None) -> SessionExecuteResponse:
         return await self.client.session_execute(self.id, code, timeout_s=timeout_s)
 
-    def stream(self, code: str, *, timeout_s: int | None = None) -> AsyncIterator[StreamEvent]:
+    def stream(self, code: str, *, timeout_s: int | None = None) -> AsyncIterator[StreamEvent[SessionExecuteResponse]]:
         return self.client.stream_session_execute(self.id, code, timeout_s=timeout_s)
 
-    async def upload(self, path: str, data: bytes) -> dict[str, Any]:
+    async def upload(self, path: str, data: bytes) -> FileWritten:
         return await self.client.upload(self.id, path, data)
 
     @overload
@@ -580,15 +732,14 @@ class AsyncSession:
         data = await self.client.download(self.id, path)
         return data.decode() if text else data
 
-    async def files(self) -> list[dict[str, Any]]:
-        files: list[dict[str, Any]] = (await self.client.session_files(self.id))["files"]
-        return files
+    async def files(self) -> list[FileInfo]:
+        return (await self.client.session_files(self.id)).files
 
-    async def delete(self, path: str) -> dict[str, Any]:
+    async def delete(self, path: str) -> FileDeleted:
         return await self.client.delete_session_file(self.id, path)
 
-    async def record(self) -> dict[str, Any]:
+    async def record(self) -> SessionRecord:
         return await self.client.session_record(self.id)
 
-    async def close(self) -> dict[str, Any]:
+    async def close(self) -> SessionClosed:
         return await self.client.close_session(self.id)

@@ -6,10 +6,12 @@ The input is cut into blocks, one call each:
   `... `. `.break` (or Ctrl-C) drops an unfinished block;
 - from a pipe or a file, a block is everything up to a blank line.
 
-Each call's output streams as it comes; then its `result` is printed the way the Node.js REPL prints it
-(`undefined` when the session answers none). `.exit` or the end of input closes the session, and so do
-Ctrl-C outside a terminal, SIGTERM and SIGHUP. On a terminal, Ctrl-C during a call interrupts the call
-(the client hangs up, which the service takes as an interrupt) and the session keeps its state.
+At the start it names the service it reached (its URL and version, from `GET /health`), or says that
+none answers there. Each call's output streams as it comes; then its `result` is printed the way the
+Node.js REPL prints it (`undefined` when the session answers none). `.exit` or the end of input closes
+the session, and so do Ctrl-C outside a terminal, SIGTERM and SIGHUP. On a terminal, Ctrl-C during a
+call interrupts the call (the client hangs up, which the service takes as an interrupt) and the session
+keeps its state.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import httpx2
 
-from metaagent.client import Client, Finished, Output, OutputDropped
+from metaagent.client import Client, Finished, Output, OutputDropped, SessionExecuteResponse
 from metaagent.errors import ServiceError
 from metaagent.terminal import Terminal
 
@@ -184,6 +186,8 @@ class Repl:
         went away, or 128 + the signal that ended the REPL."""
         for signum in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, _stop)
+        if not self._connect():
+            return 1
         try:
             record = self.client.create_session(**self.session_config)
         except ServiceError as exc:
@@ -192,11 +196,10 @@ class Repl:
         except httpx2.TransportError as exc:
             self.terminal.say(f"no session: the service does not answer ({exc})")
             return 1
-        self.session_id = record["session_id"]
+        self.session_id = record.session_id
         ends = ".exit or Ctrl-D closes it" if self.interactive else "the end of the input closes it"
         self.terminal.say(
-            f"session {self.session_id} (memory {record['memory_mb']} MiB, idle timeout "
-            f"{record['idle_timeout_s']} s); {ends}"
+            f"session {self.session_id} (memory {record.memory_mb} MiB, idle timeout {record.idle_timeout_s} s); {ends}"
         )
         try:
             return self._calls()
@@ -206,6 +209,27 @@ class Repl:
             return 128 + stopped.signum
         finally:
             self._close()
+
+    def _connect(self) -> bool:
+        """Names the service at the client's URL (so that a REPL never talks to the wrong one unawares), or
+        says that nothing, or nothing like this service, answers there."""
+        url = self.client.base_url
+        try:
+            health = self.client.health()
+        except httpx2.TransportError as exc:
+            self.terminal.say(
+                f"no service answers at {url} ({exc}); start one with `metaagent serve`, or name it with --url"
+            )
+            return False
+        except ServiceError as exc:
+            self.terminal.say(
+                f"{url} is not a metaagent service: GET /health answered {exc.status_code}: {exc.message}"
+            )
+            return False
+        version = health.get("version")
+        named = f"metaagent {version}" if isinstance(version, str) else "metaagent (version not shown without a key)"
+        self.terminal.say(f"connected to {named} at {url}")
+        return True
 
     def _calls(self) -> int:
         blocks = self._terminal_blocks() if self.interactive else piped_blocks(sys.stdin)
@@ -255,7 +279,7 @@ class Repl:
     def _call(self, code: str) -> int | None:
         """Runs one block; None to go on, or the REPL's exit status."""
         self.terminal.begin()
-        result: dict[str, Any] | None = None
+        result: SessionExecuteResponse | None = None
         try:
             for event in self.client.stream_session_execute(self.session_id, code, timeout_s=self.timeout_s):
                 if isinstance(event, Output):
@@ -280,26 +304,26 @@ class Repl:
             return 1
         return self._show(result) if result is not None else None
 
-    def _show(self, result: dict[str, Any]) -> int | None:
+    def _show(self, result: SessionExecuteResponse) -> int | None:
         """Prints what the stream did not bring, then the result as node's REPL does; the status if it ended."""
-        self.terminal.finish(result)
-        if result.get("exit_code") == 0:
-            shown = result.get("result")
+        self.terminal.finish({"stdout": result.stdout, "stderr": result.stderr})
+        if result.exit_code == 0:
+            shown = result.result
             newline = "" if self.terminal.at_line_start else "\n"
             self.terminal.output("stdout", f"{newline}{'undefined' if shown is None else shown}\n")
-        if result.get("timed_out"):
+        if result.timed_out:
             self.terminal.say(f"interrupted at the timeout ({self.timeout_s} s)")
-        elif result.get("killed"):
+        elif result.killed:
             self.terminal.say("the call was killed")
-        if not result.get("session_ended"):
+        if not result.session_ended:
             return 128 + signal.SIGPIPE if self.terminal.reader_gone else None
         try:
             self.client.session_record(self.session_id)
             self.terminal.say("the session ended")
         except (ServiceError, httpx2.TransportError) as exc:  # its 410 names how the session ended
             self.terminal.say(exc.message if isinstance(exc, ServiceError) else "the session ended")
-        code = result.get("exit_code")
-        return code if isinstance(code, int) and code != 0 else 1
+        code = result.exit_code
+        return code if code is not None and code != 0 else 1
 
     def _close(self) -> None:
         """Closes the session, whatever ended the REPL; a second Ctrl-C cannot cut this short."""

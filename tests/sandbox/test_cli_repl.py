@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from metaagent import __version__
 from tests.sandbox.conftest import Service
 from tests.sandbox.test_streaming import running_execution
 from tests.test_cli import METAAGENT, clean_env
@@ -56,6 +57,7 @@ def test_piped_blocks_share_state_print_output_and_results_and_the_session_is_cl
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "undefined\nhi\n42\n[ 1, 4, 9 ]\n"  # `let` shows undefined, as in node's REPL
+    assert result.stderr.startswith(f"metaagent: connected to metaagent {__version__} at {sandbox_service.base_url}\n")
     session_id = session_of(result.stderr)
     assert result.stderr.endswith(f"metaagent: session {session_id} closed\n")
     assert_closed(sandbox_service, session_id)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import anyio
 import pytest
 
 import metaagent
 import metaagent.client
-from metaagent.client import Finished, Output
+from metaagent.client import CodeInterpreterResponse, ExecutionInfo, Finished, KillResult, Output
 from metaagent.errors import ServiceError
 from tests.sandbox.conftest import Service
 from tests.sandbox.test_streaming import running_execution
@@ -23,57 +22,57 @@ def test_client_runs_code_in_the_code_interpreter(sandbox_service: Service) -> N
     with metaagent.Client(sandbox_service.base_url) as client:
         code = "let s = ''; process.stdin.on('data', (d) => (s += d)).on('end', () => console.log(s + 1))"
         result = client.code_interpreter(code, stdin="4", timeout_s=20, memory_mb=128)
-    assert result["exit_code"] == 0, result["stderr"]
-    assert result["stdout"] == "41\n"
-    assert result["execution_id"]
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "41\n"
+    assert result.execution_id
 
 
 def test_client_lists_gets_and_kills_a_running_execution(sandbox_service: Service) -> None:
-    finished: dict[str, Any] = {}
+    finished: list[CodeInterpreterResponse] = []
 
     def run_forever() -> None:
         with metaagent.Client(sandbox_service.base_url) as runner:
-            finished.update(runner.code_interpreter("setInterval(() => {}, 1000)", timeout_s=120))
+            finished.append(runner.code_interpreter("setInterval(() => {}, 1000)", timeout_s=120))
 
     thread = threading.Thread(target=run_forever, daemon=True)
     thread.start()
     with metaagent.Client(sandbox_service.base_url) as client:
         deadline = time.monotonic() + 60
-        running: list[dict[str, Any]] = []
+        running: list[ExecutionInfo] = []
         while not running:
             assert time.monotonic() < deadline, "the execution never showed up in GET /executions"
-            running = [e for e in client.executions()["executions"] if e["timeout_s"] == 120]
+            running = [e for e in client.executions().executions if e.timeout_s == 120]
             time.sleep(0.1)
-        execution_id = running[0]["execution_id"]
-        assert client.execution(execution_id)["execution_id"] == execution_id
-        assert client.kill_execution(execution_id) == {"execution_id": execution_id, "killed": True}
+        execution_id = running[0].execution_id
+        assert client.execution(execution_id).execution_id == execution_id
+        assert client.kill_execution(execution_id) == KillResult(execution_id=execution_id, killed=True)
         thread.join(60)
         assert not thread.is_alive()
         with pytest.raises(ServiceError) as gone:
             client.execution(execution_id)
     assert gone.value.status_code == 404
-    assert finished["execution_id"] == execution_id
-    assert finished["timed_out"] is False
+    assert finished[0].execution_id == execution_id
+    assert (finished[0].killed, finished[0].timed_out) == (True, False)
 
 
 def test_client_session_shares_state_and_files_and_closes_on_exit(sandbox_service: Service) -> None:
     with metaagent.Client(sandbox_service.base_url) as client, client.session(idle_timeout_s=60) as session:
         session.execute("const total = (rows) => rows.reduce((a, b) => a + b, 0)")
-        assert session.upload("in/numbers.txt", b"1\n2\n3\n")["size"] == 6
+        assert session.upload("in/numbers.txt", b"1\n2\n3\n").size == 6
         result = session.execute(
             "const fs = require('fs');"
             " const n = fs.readFileSync('in/numbers.txt', 'utf8').trim().split('\\n').map(Number);"
             " fs.writeFileSync('sum.txt', String(total(n))); total(n)"
         )
-        assert result["result"] == "6"
+        assert result.result == "6"
         assert session.download("sum.txt") == b"6"
-        assert [f["path"] for f in session.files()] == ["in/numbers.txt", "sum.txt"]
+        assert [f.path for f in session.files()] == ["in/numbers.txt", "sum.txt"]
         session.delete("sum.txt")
         with pytest.raises(ServiceError) as missing:
             session.download("sum.txt")
         assert missing.value.status_code == 404
         session_id = session.id
-        assert client.session_record(session_id)["executions"] == 2
+        assert client.session_record(session_id).executions == 2
     with metaagent.Client(sandbox_service.base_url) as client:
         with pytest.raises(ServiceError) as gone:
             client.session_execute(session_id, "total")
@@ -88,8 +87,8 @@ def test_a_client_session_reads_its_record_downloads_text_and_closes_itself(sand
         session.upload("notes.txt", "grüße\n".encode())
         assert session.download("notes.txt", text=True) == "grüße\n"
         session.execute("1")
-        assert session.record()["executions"] == 1
-        assert session.close()["closed"] is True
+        assert session.record().executions == 1
+        assert session.close().closed is True
         with pytest.raises(metaagent.client.SessionEnded) as ended:
             session.execute("1")
     assert ended.value.status_code == 410
@@ -99,13 +98,13 @@ def test_a_client_session_reads_its_record_downloads_text_and_closes_itself(sand
 async def test_async_client_session_runs_calls_and_moves_files(sandbox_service: Service) -> None:
     async with metaagent.AsyncClient(sandbox_service.base_url) as client, client.session() as session:
         await session.execute("let n = 20")
-        assert (await session.execute("n + 1"))["result"] == "21"
+        assert (await session.execute("n + 1")).result == "21"
         await session.upload("a b/ü.txt", "grüße".encode())
         assert (await session.download("a b/ü.txt")).decode() == "grüße"
         assert await session.download("a b/ü.txt", text=True) == "grüße"
-        assert [f["path"] for f in await session.files()] == ["a b/ü.txt"]
-        assert (await session.record())["state"] == "idle"
-        assert (await session.close())["closed"] is True
+        assert [f.path for f in await session.files()] == ["a b/ü.txt"]
+        assert (await session.record()).state == "idle"
+        assert (await session.close()).closed is True
 
 
 def test_a_session_call_streams_its_output_then_finishes_with_the_result(sandbox_service: Service) -> None:
@@ -116,8 +115,8 @@ def test_a_session_call_streams_its_output_then_finishes_with_the_result(sandbox
             list(client.stream_session_execute("ses_unknown", "1"))
     assert events == [Output("stdout", "one\n"), Output("stderr", "two\n"), events[-1]]
     assert isinstance(events[-1], Finished)
-    assert events[-1].result["result"] == "42"
-    assert events[-1].result["session_id"] == session.id
+    assert events[-1].result.result == "42"
+    assert events[-1].result.session_id == session.id
     assert refused.value.status_code == 404
 
 
@@ -135,14 +134,14 @@ async def test_leaving_a_streamed_session_call_early_interrupts_it_and_the_sessi
             break
         await endless.aclose()  # hangs up: the service interrupts the call, long before its 61 s
         for _ in range(300):
-            if not any(e["timeout_s"] == 61 for e in (await client.executions())["executions"]):
+            if not any(e.timeout_s == 61 for e in (await client.executions()).executions):
                 break
             await anyio.sleep(0.05)
         else:
             raise AssertionError("the call ran on after the client hung up")
         after = await session.execute("kept")
-    assert after["result"] == "'state'"
-    assert after["session_ended"] is False
+    assert after.result == "'state'"
+    assert after.session_ended is False
 
 
 def test_call_tool_reaches_the_session_tools_by_their_names(sandbox_service: Service) -> None:

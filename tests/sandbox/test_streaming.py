@@ -241,8 +241,8 @@ def test_the_python_client_streams_typed_events_and_ends_with_the_result(sandbox
             list(client.stream_code("1", packages=["not-on-the-list"]))
     assert isinstance(events[-1], Finished)
     outputs = [e for e in events if isinstance(e, Output)]
-    assert "".join(e.text for e in outputs if e.stream == "stdout") == "one\nthree\n" == events[-1].result["stdout"]
-    assert "".join(e.text for e in outputs if e.stream == "stderr") == "two\n" == events[-1].result["stderr"]
+    assert "".join(e.text for e in outputs if e.stream == "stdout") == "one\nthree\n" == events[-1].result.stdout
+    assert "".join(e.text for e in outputs if e.stream == "stderr") == "two\n" == events[-1].result.stderr
     assert len(outputs) + 1 == len(events)
     assert refused.value.status_code == 400
 
@@ -254,7 +254,7 @@ async def test_the_async_python_client_streams_and_leaving_early_kills_the_execu
         events = [event async for event in client.stream_code("console.log(6 * 7)", timeout_s=10)]
         assert events == [Output("stdout", "42\n"), events[-1]]
         assert isinstance(events[-1], Finished)
-        assert events[-1].result["exit_code"] == 0
+        assert events[-1].result.exit_code == 0
         endless = client.stream_code("setInterval(() => console.log('tick'), 100)", timeout_s=63)
         async for event in endless:
             assert isinstance(event, Output)  # one tick, or several the stream carried in one piece
