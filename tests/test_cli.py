@@ -192,7 +192,7 @@ def test_run_refuses_a_program_past_the_code_limit_with_exit_2(tmp_path: Path) -
     program.write_text("//" + "x" * (1024 * 1024 + 1))
     result = run(tmp_path, "run", str(program))
     assert result.returncode == 2
-    assert "cannot run: Invalid request: code:" in result.stderr
+    assert "cannot run: Invalid request: code must be at most 1048576 characters long" in result.stderr
     assert "Traceback" not in result.stderr
 
 

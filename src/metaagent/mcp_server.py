@@ -77,7 +77,7 @@ def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) ->
         try:
             request = spec.request_model.model_validate(params.arguments or {})
         except ValidationError as exc:
-            message, _details = describe_validation_errors(exc.errors())
+            message, _details = describe_validation_errors(exc.errors(), root=())
             return _tool_error(message)
         try:
             # The session runs in the task of the request that opened it: act as this request's key.
