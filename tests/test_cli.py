@@ -53,11 +53,12 @@ def serving(tmp_path: Path, start_timeout_s: float = 30, **env: str) -> Iterator
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
             try:
-                httpx2.get(f"{base}/health", timeout=1)
-                break
+                if httpx2.get(f"{base}/health", timeout=1).json().get("status") != "starting":
+                    break
             except httpx2.TransportError:
-                assert process.poll() is None, process.stderr.read() if process.stderr else ""
-                time.sleep(0.1)
+                pass
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            time.sleep(0.1)
         yield base, process
     finally:
         if process.poll() is None:

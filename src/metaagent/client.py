@@ -291,7 +291,7 @@ class _Endpoints(Generic[Result]):
         return self._send(_Call("GET", "/tools"))
 
     def health(self) -> Result:
-        """`GET /health`: `{"status": "ok" | "degraded", "checks": {...}}`."""
+        """`GET /health`: `{"status": "ok" | "degraded", "checks": {...}}` (ServiceError 503 while it is starting)."""
         return self._send(_Call("GET", "/health"))
 
     def executions(self) -> Result:
