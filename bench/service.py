@@ -80,7 +80,8 @@ class BenchService:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the {self.name} service's sandbox image was not ready in {START_TIMEOUT_S:.0f} s")
             try:
-                if self.health()["checks"]["sandbox_image"]["ok"]:
+                checks = self.health().get("checks")  # none while it is starting
+                if checks and checks["sandbox_image"]["ok"]:
                     return
             except httpx2.TransportError:
                 pass

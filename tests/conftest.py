@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import anyio
 import httpx2
 import pytest
 
@@ -104,6 +105,10 @@ def service(tmp_path: Path) -> ServiceFactory:
         async with app.router.lifespan_context(app):
             transport = httpx2.ASGITransport(app=app)
             async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1:3102") as client:
+                with anyio.fail_after(60):  # until the start-up checks have run once (/health: 503 starting)
+                    # Polled as any caller waits for a service: /health is the readiness it offers.
+                    while (await client.get("/health")).json().get("status") == "starting":  # noqa: ASYNC110
+                        await anyio.sleep(0.02)
                 yield client
 
     return start

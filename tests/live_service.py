@@ -8,11 +8,25 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx2
 import uvicorn
 from fastapi import FastAPI
 
 START_TIMEOUT_S = 20
 STOP_TIMEOUT_S = 20
+
+
+def wait_until_started(url: str, deadline: float) -> None:
+    """Until /health stops answering 503 `starting` (its start-up checks have run once), by `deadline`."""
+    while True:
+        try:
+            if httpx2.get(f"{url}/health", timeout=5).json().get("status") != "starting":
+                return
+        except httpx2.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the service's start-up checks did not run")
+        time.sleep(0.05)
 
 
 @contextmanager
@@ -31,7 +45,9 @@ def serving(app: FastAPI) -> Iterator[str]:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the service did not start")
             time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        wait_until_started(url, deadline)
+        yield url
     finally:
         server.should_exit = True
         thread.join(STOP_TIMEOUT_S)

@@ -72,12 +72,13 @@ def service_process(tmp_path: Path, open_files: int | None = None, **env: str) -
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
-                httpx2.get(f"{service.base}/health", timeout=5)
-                break
+                if httpx2.get(f"{service.base}/health", timeout=5).json().get("status") != "starting":
+                    break
             except httpx2.TransportError:
-                assert process.poll() is None, service.stderr()
-                assert time.monotonic() < deadline, "the service did not start"
-                time.sleep(0.1)
+                pass
+            assert process.poll() is None, service.stderr()
+            assert time.monotonic() < deadline, "the service did not start"
+            time.sleep(0.1)
         yield service
     finally:
         service.stop()

@@ -51,24 +51,24 @@ BAD_BODIES = [
         b'{"url": 5, "code": 5, "q": 5, "input": 5, "timeout_s": "soon"}',
         "application/json",
         422,
-        "Input should be a valid",
+        " must be ",
     ),
     (
         "unknown_field",
         b'{"url": "https://x.example", "code": "1", "q": "a", "input": "a", "surprise": 1}',
         "application/json",
         422,
-        "surprise: Extra inputs are not permitted",
+        "surprise is not a field of this request; leave it out",
     ),
-    ("json_array", b"[1, 2]", "application/json", 422, "body: Input should be a valid dictionary"),
-    ("json_null", b"null", "application/json", 422, "body: Input should be a valid dictionary"),
-    ("empty_body", b"", "application/json", 422, "body: Field required"),
+    ("json_array", b"[1, 2]", "application/json", 422, "the body must be a JSON object (got an array)"),
+    ("json_null", b"null", "application/json", 422, "body: a JSON object is needed, not null"),
+    ("empty_body", b"", "application/json", 422, "a JSON body is required"),
     (
         "not_json",
         b"url=https://x.example",
         "application/x-www-form-urlencoded",
         422,
-        "body: Input should be a valid dictionary",
+        "the body must be a JSON object",
     ),
     (
         "deeply_nested",
@@ -236,7 +236,8 @@ async def test_an_integer_field_takes_no_boolean_string_or_fraction(
         response = await client.post(path, json={**body, field: value})
     assert response.status_code == 422, response.text
     assert response.json()["details"][0]["field"] == field
-    assert response.json()["error"].startswith(f"Invalid request: {field}: Input should be a valid integer")
+    assert response.json()["error"].startswith(f"Invalid request: {field} must be an integer (got ")
+    assert "Input should" not in response.text
 
 
 async def test_a_number_field_still_takes_an_integer_but_no_boolean(service: ServiceFactory) -> None:
@@ -246,7 +247,7 @@ async def test_a_number_field_still_takes_an_integer_but_no_boolean(service: Ser
     assert whole.status_code == 400  # read and validated, then blocked by the allow-list
     assert whole.json()["error"] == "Blocked host: x.example"
     assert boolean.status_code == 422
-    assert boolean.json()["error"].startswith("Invalid request: timeout_s: Input should be a valid number")
+    assert boolean.json()["error"] == "Invalid request: timeout_s must be a number (got true)"
 
 
 async def test_post_sessions_with_the_body_null_is_a_422_and_creates_nothing(service: ServiceFactory) -> None:
@@ -254,7 +255,7 @@ async def test_post_sessions_with_the_body_null_is_a_422_and_creates_nothing(ser
         response = await client.post("/sessions", content=b"null", headers={"Content-Type": "application/json"})
         listed = await client.get("/sessions")
     assert response.status_code == 422
-    assert response.json()["error"].startswith("Invalid request: body: Input should be a valid dictionary")
+    assert response.json()["error"].startswith("Invalid request: body: a JSON object is needed, not null")
     assert listed.json() == {"sessions": []}
 
 

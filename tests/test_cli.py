@@ -53,11 +53,12 @@ def serving(tmp_path: Path, start_timeout_s: float = 30, **env: str) -> Iterator
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
             try:
-                httpx2.get(f"{base}/health", timeout=1)
-                break
+                if httpx2.get(f"{base}/health", timeout=1).json().get("status") != "starting":
+                    break
             except httpx2.TransportError:
-                assert process.poll() is None, process.stderr.read() if process.stderr else ""
-                time.sleep(0.1)
+                pass
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            time.sleep(0.1)
         yield base, process
     finally:
         if process.poll() is None:
@@ -192,7 +193,7 @@ def test_run_refuses_a_program_past_the_code_limit_with_exit_2(tmp_path: Path) -
     program.write_text("//" + "x" * (1024 * 1024 + 1))
     result = run(tmp_path, "run", str(program))
     assert result.returncode == 2
-    assert "cannot run: Invalid request: code:" in result.stderr
+    assert "cannot run: Invalid request: code must be at most 1048576 characters long" in result.stderr
     assert "Traceback" not in result.stderr
 
 

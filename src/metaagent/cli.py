@@ -152,7 +152,7 @@ def run(
     except UnicodeDecodeError as exc:
         raise _fail(f"metaagent: {file} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
     except ValidationError as exc:
-        message, _details = describe_validation_errors(exc.errors())
+        message, _details = describe_validation_errors(exc.errors(), root=())
         raise _fail(f"metaagent: {file} cannot run: {message}") from None
 
     terminal = Terminal()

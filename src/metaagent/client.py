@@ -422,7 +422,7 @@ class _Endpoints:
 
     @_endpoint
     def health(self) -> _Call[dict[str, Any]]:
-        """`GET /health`: `{"status": "ok" | "degraded", "checks": {...}}`."""
+        """`GET /health`: `{"status": "ok" | "degraded", "checks": {...}}` (ServiceError 503 while it is starting)."""
         return _Call("GET", "/health", _json)
 
     @_endpoint

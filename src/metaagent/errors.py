@@ -27,6 +27,8 @@ fields for the JSON body (`{"error": message, **extra}`).
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -157,16 +159,102 @@ class ServiceError(MetaAgentError):
         return f"{self.status_code}: {self.message}"
 
 
-def describe_validation_errors(errors: Iterable[Mapping[str, Any]]) -> tuple[str, list[dict[str, str]]]:
-    """The 422 message ("Invalid request: field: problem; ...") and one detail per field, from pydantic's errors."""
-    details = [
-        {"field": "body", "message": _json_problem(e)}
-        if e.get("type") == "json_invalid"  # its loc holds the character offset, not a field
-        else {"field": ".".join(str(p) for p in e["loc"] if p != "body") or "body", "message": str(e["msg"])}
-        for e in errors
-    ]
-    summary = "; ".join(f"{d['field']}: {d['message']}" for d in details[:5])
+def describe_validation_errors(
+    errors: Iterable[Mapping[str, Any]], root: tuple[str, ...] = ("body",)
+) -> tuple[str, list[dict[str, str]]]:
+    """The 422 message ("Invalid request: <sentence>; ...") and one detail per field, from pydantic's errors.
+
+    Each problem is a plain sentence that names the field ("timeout_s must be at most 300 (got 900)"),
+    without pydantic's "Value error, " and "Assertion failed, " prefixes. A value is quoted back only
+    when it is a number, a boolean or null (a string may be a secret the caller put in the wrong field).
+    `root` is where the request's fields sit in each error's `loc`: under FastAPI's ("body",) for an HTTP
+    body, at the top () for a model validated directly (MCP arguments), where "body" is a field's name.
+    """
+    details = [_detail(e, root) for e in errors]
+    summary = "; ".join(d["message"] for d in details[:5])
+    if len(details) > 5:
+        summary += f"; and {len(details) - 5} more (see details)"
     return f"Invalid request: {summary}", details
+
+
+def _detail(error: Mapping[str, Any], root: tuple[str, ...]) -> dict[str, str]:
+    if error.get("type") == "json_invalid":  # its loc holds the character offset, not a field
+        return {"field": "body", "message": f"the body is {_json_problem(error)}"}
+    loc = tuple(error["loc"])
+    path = loc[len(root) :] if loc[: len(root)] == root else loc
+    field = ".".join(str(p) for p in path)
+    return {"field": field or "body", "message": _sentence(field, error)}
+
+
+_TYPE_NAMES = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "string_type": "a string",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "list_type": "an array",
+    "dict_type": "a JSON object",
+    "model_type": "a JSON object",
+    "model_attributes_type": "a JSON object",
+    "none_required": "null",
+}
+_BOUNDS = {
+    "less_than_equal": ("le", "at most"),
+    "less_than": ("lt", "less than"),
+    "greater_than_equal": ("ge", "at least"),
+    "greater_than": ("gt", "greater than"),
+}
+# pydantic's own sentences begin with the kind of value they are about: "Input should be ...".
+_PYDANTIC_SUBJECT = re.compile(r"^(?:Input|String|List|Value|Tuple|Set|Dictionary|Data|Object) should\b")
+
+
+def _sentence(field: str, error: Mapping[str, Any]) -> str:
+    kind, ctx, given = error.get("type"), error.get("ctx") or {}, error.get("input")
+    subject = field or "the body"  # no field: the request as a whole
+    if kind == "missing":
+        return f"{field} is required" if field else "a JSON body is required"
+    if kind == "extra_forbidden":
+        return f"{field} is not a field of this request; leave it out"
+    if kind in ("value_error", "assertion_error") and "error" in ctx:
+        reason = str(ctx["error"])  # the validator's own words, without pydantic's "Value error, "
+        return f"{field} is not valid: {reason}" if field else reason
+    if kind in _TYPE_NAMES:
+        return f"{subject} must be {_TYPE_NAMES[kind]}{_got(given)}"
+    if kind in _BOUNDS:
+        key, words = _BOUNDS[kind]
+        bound = ctx.get(key)
+        shown = int(bound) if isinstance(bound, float) and bound.is_integer() else bound  # 0, not 0.0
+        return f"{subject} must be {words} {shown}{_got(given)}"
+    if kind in ("string_too_short", "string_too_long"):
+        bound = ctx.get("min_length") if kind == "string_too_short" else ctx.get("max_length")
+        if kind == "string_too_short" and bound == 1:
+            return f"{subject} must not be empty"
+        size = f" (got {len(given)})" if isinstance(given, str) else ""
+        words = "at least" if kind == "string_too_short" else "at most"
+        return f"{subject} must be {words} {bound} characters long{size}"
+    if kind in ("too_short", "too_long"):
+        bound = ctx.get("min_length") if kind == "too_short" else ctx.get("max_length")
+        words = "at least" if kind == "too_short" else "at most"
+        actual = ctx.get("actual_length", len(given) if isinstance(given, list | dict) else None)
+        items = "item" if bound == 1 else "items"
+        return f"{subject} must have {words} {bound} {items}" + (f" (got {actual})" if actual is not None else "")
+    if kind in ("literal_error", "enum"):
+        shown = f" (got {json.dumps(given)})" if isinstance(given, str) and len(given) <= 40 else _got(given)
+        return f"{subject} must be {ctx.get('expected')}{shown}"
+    message = str(error["msg"])
+    if _PYDANTIC_SUBJECT.match(message):
+        return _PYDANTIC_SUBJECT.sub(f"{subject} must", message)
+    return f"{subject}: {message}"  # the service's own words (a PydanticCustomError), named by field
+
+
+def _got(value: Any) -> str:
+    """ " (got 900)" for a number, a boolean or null; the JSON type for anything else."""
+    if value is None or isinstance(value, bool | int | float):
+        return f" (got {json.dumps(value)})"
+    kinds = {str: "a string", list: "an array", dict: "an object"}
+    return next((f" (got {name})" for kind, name in kinds.items() if isinstance(value, kind)), "")
 
 
 def _json_problem(error: Mapping[str, Any]) -> str:

@@ -41,6 +41,7 @@ from metaagent import __version__
 from metaagent.access import acting_as, caller_of
 from metaagent.api.errors import ErrorResponse
 from metaagent.errors import InvalidRequest, MetaAgentError, describe_validation_errors
+from metaagent.hints import Face, speaking
 from metaagent.progress import with_progress
 from metaagent.request_json import read_request_json
 from metaagent.services import Services
@@ -84,11 +85,12 @@ def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) ->
         try:
             request = spec.request_model.model_validate(params.arguments or {})
         except ValidationError as exc:
-            message, _details = describe_validation_errors(exc.errors())
+            message, _details = describe_validation_errors(exc.errors(), root=())
             return _tool_error(message)
         try:
             # The session runs in the task of the request that opened it: act as this request's key.
-            with acting_as(caller_of(ctx.request)):
+            # A model over MCP can only call tools: hints in its errors name tools (metaagent.hints).
+            with acting_as(caller_of(ctx.request)), speaking(Face.TOOLS):
                 result = await _call(spec, services(), request, ctx)
         except MetaAgentError as exc:
             if exc.status_code == 500:  # the service's own failure (an audit record not written): logged

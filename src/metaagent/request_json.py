@@ -118,9 +118,7 @@ def decode_request_json(body: bytes) -> Any:
         where, problem = _first_refusal(value)
         raise InvalidRequest.for_field(where, problem)
     if value is None:
-        raise _body_error(
-            "Input should be a valid dictionary (a JSON object), not null; send {} or no body at all for the defaults"
-        )
+        raise _body_error("a JSON object is needed, not null; send {} or no body at all for the defaults")
     return value
 
 

@@ -241,8 +241,11 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
 
 
 async def _prepare_sandbox(interpreter: CodeInterpreter, build: bool) -> None:
-    """Removes what a dead service left, makes sure of the image and chooses the runtime (its self-test)."""
-    engine, image = interpreter.engine, interpreter.image
+    """Removes what a dead service left, makes sure of the image and chooses the runtime (its self-test).
+
+    Each check runs (or finds the engine down) whatever the one before found, so that afterwards /health
+    can report each (it says "starting" until both the image and the runtime have been looked at)."""
+    engine, image, runtime = interpreter.engine, interpreter.image, interpreter.runtime
     try:
         removed = await engine.remove_orphans()
     except EngineUnavailable as exc:
@@ -250,13 +253,19 @@ async def _prepare_sandbox(interpreter: CodeInterpreter, build: bool) -> None:
     else:
         if removed:
             log.warning("removed %d container(s) or volume(s) of a service that stopped without cleaning up", removed)
-        try:
-            await interpreter.runtime.check_registration(engine)  # runc at once when runsc cannot work
-            await image.refresh(build=build)
-            if image.image_id is not None:
-                await interpreter.runtime_in_force(image.tag)
-        except EngineUnavailable as exc:  # chosen on the next execution instead
-            log.warning("%s", exc.message)
+    try:
+        await runtime.check_registration(engine)  # runc at once when runsc cannot work
+    except EngineUnavailable as exc:
+        log.warning("%s", exc.message)
+    await image.refresh(build=build)  # never raises: an engine that is down is its error
+    if image.image_id is None:
+        runtime.defer(image.error or "the sandbox image is not ready")
+        return
+    try:
+        await interpreter.runtime_in_force(image.tag)
+    except EngineUnavailable as exc:  # chosen on the next execution instead
+        log.warning("%s", exc.message)
+        runtime.defer(exc.message)
 
 
 async def _remove_what_is_still_owned(engine: Engine) -> None:

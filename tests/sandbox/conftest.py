@@ -84,9 +84,10 @@ def running_service(workdir: Path, **env: str) -> Iterator[Service]:
             assert process.poll() is None, stderr_path.read_text()
             assert time.monotonic() < deadline, "the sandbox image was not ready within 300 s"
             try:
-                checks = httpx2.get(f"{service.base_url}/health", headers=headers, timeout=30).json()["checks"]
+                # No checks while it is starting (503 {"status": "starting"}).
+                checks = httpx2.get(f"{service.base_url}/health", headers=headers, timeout=30).json().get("checks")
                 # Ready once the image is there and the runtime chosen (auto's self-test has run).
-                if checks["sandbox_image"]["ok"] and checks["container_engine"]["runtime"]:
+                if checks and checks["sandbox_image"]["ok"] and checks["container_engine"]["runtime"]:
                     break
             except httpx2.TransportError:
                 pass

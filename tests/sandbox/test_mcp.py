@@ -39,7 +39,7 @@ async def test_streamable_http_runs_code_in_a_sandbox(sandbox_service: Service) 
             invalid = await client.call_tool("code_interpreter", {"code": ""})
     assert_ran(result)
     assert invalid.is_error is True
-    assert text_of(invalid).startswith("Invalid request: code:")
+    assert text_of(invalid) == "Invalid request: code must not be empty"
 
 
 async def test_stdio_runs_code_in_a_sandbox(sandbox_service: Service, tmp_path: Path) -> None:

@@ -55,7 +55,8 @@ def health_when_chosen(base: str) -> dict[str, object]:
     """The container engine's health check once the runtime is chosen."""
     deadline = time.monotonic() + 120
     while True:
-        engine: dict[str, object] = httpx2.get(f"{base}/health", timeout=30).json()["checks"]["container_engine"]
+        checks = httpx2.get(f"{base}/health", timeout=30).json().get("checks")  # none while starting
+        engine: dict[str, object] = checks["container_engine"] if checks else {"runtime": None}
         if engine["runtime"] is not None:
             return engine
         assert time.monotonic() < deadline, f"no runtime was chosen: {engine}"

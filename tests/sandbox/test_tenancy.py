@@ -128,7 +128,8 @@ def test_each_key_holds_an_equal_share_of_the_sessions_and_an_operator_more(
             assert second.status_code == 429
             assert int(second.headers["Retry-After"]) > 0
             assert second.json()["error"] == (
-                "Key alice already has 1 sessions open, its share (METAAGENT_SESSIONS_PER_KEY: 1); close one first"
+                "Key alice already has 1 sessions open, its share (METAAGENT_SESSIONS_PER_KEY: 1); close one first "
+                "(DELETE /sessions/{id})"
             )
             assert create(BOB).status_code == 201  # alice's sessions left bob his share
             assert [create(OPERATOR).status_code for _ in range(2)] == [201, 201]  # an operator may hold more
@@ -143,7 +144,7 @@ def test_each_key_holds_an_equal_share_of_the_sessions_and_an_operator_more(
             assert at_capacity.status_code == 429
             assert at_capacity.json()["error"] == (
                 "At capacity: the service has as many sessions open as it may (METAAGENT_SESSION_MAX), 0 of them "
-                "yours; close one or retry later"
+                "yours; close one (DELETE /sessions/{id}) or retry later"
             )
         finally:
             for key, session_id in opened:

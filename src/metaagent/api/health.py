@@ -1,6 +1,7 @@
 """`/health` (open to probes, even with API keys) and `/metrics` (Prometheus text).
 
-With API keys, a request to `/health` without a key gets only `{"status"}`; a key's caller gets the
+Until the start-up checks have run once (`started`), `/health` answers 503 `{"status": "starting"}` to
+every caller. With API keys, a request to `/health` without a key gets only `{"status"}`; a key's caller gets the
 checks, with counts of its own work; an operator's key (and a service without keys, whose one caller
 owns everything) also gets the service-wide counts. `/metrics`, all service-wide, needs an operator's key.
 """
@@ -12,7 +13,7 @@ from typing import Any
 import anyio
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from metaagent import __version__
 from metaagent.access import caller_of
@@ -26,14 +27,26 @@ from metaagent.tenancy import Caller, visible_to
 router = APIRouter(tags=["service"], route_class=StrictJsonRoute)
 
 
-@router.get("/health", summary="Liveness and the state of each dependency")
-async def health(request: Request) -> dict[str, Any]:
+@router.get(
+    "/health",
+    summary="Liveness and the state of each dependency",
+    responses={503: {"description": 'Starting: a start-up check has not run yet (`{"status": "starting"}`)'}},
+)
+async def health(request: Request) -> Any:
     svc, caller = services(request), caller_of(request)
+    if not started(svc):  # no check is reported, failed or ok, before it has run
+        return JSONResponse({"status": "starting"}, status_code=503)
     checks = await _checks(svc, caller)
     status = "ok" if all(c["ok"] for c in checks.values()) else "degraded"
     if request.app.state.keys and caller.key_id is None:  # a probe without a key: the status alone
         return {"status": status}
     return {"status": status, "version": __version__, "checks": checks}
+
+
+def started(svc: Services) -> bool:
+    """Whether every check that runs once after start-up has run: the image looked for, and the isolation
+    runtime chosen by its self-test (or its choice put off: no engine, no image). The others run live."""
+    return svc.image.checked and svc.interpreter.runtime.has_run
 
 
 async def _checks(svc: Services, caller: Caller) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from metaagent.api.body import StrictJsonRoute
 from metaagent.api.deps import services, until_disconnect
 from metaagent.api.errors import error_responses
 from metaagent.api.events import OPENAPI_RESPONSE, event_stream, wants_event_stream
+from metaagent.hints import Face, speaking
+from metaagent.sandbox.output import OutputSink
 from metaagent.tools import ToolSpec
 
 
@@ -42,14 +44,28 @@ def tools_router(tools: Sequence[ToolSpec]) -> APIRouter:
 
 
 def _add_tool_route(router: APIRouter, spec: ToolSpec, path: str, operation_id: str) -> None:
-    """`POST <path>`: the body is validated by the tool's request model, the answer is its response model."""
+    """`POST <path>`: the body is validated by the tool's request model, the answer is its response model.
+
+    At the tool's own name (`/tools/{name}`, function calling) hints in errors name tools; at an older
+    path (`/tools/code-interpreter`, an HTTP client's) they name routes, as on the resource routes."""
+    face = Face.TOOLS if path == f"/tools/{spec.name}" else Face.ROUTES
 
     async def endpoint(body: BaseModel, request: Request) -> Response:
         stream = spec.stream
         if stream is not None and wants_event_stream(request.headers.get("accept", "")):
             svc = services(request)
-            return event_stream(lambda sink: stream(svc, body, sink))
-        result = await until_disconnect(request, lambda: spec.invoke(services(request), body))
+
+            async def streamed(sink: OutputSink) -> BaseModel:
+                with speaking(face):  # the stream runs in the response's task, after this handler returned
+                    return await stream(svc, body, sink)
+
+            return event_stream(streamed)
+
+        async def invoke() -> BaseModel:
+            with speaking(face):
+                return await spec.invoke(services(request), body)
+
+        result = await until_disconnect(request, invoke)
         # The answer as the tool made it: a call into a session answers more fields than the model shows.
         return JSONResponse(result.model_dump(mode="json"))
 

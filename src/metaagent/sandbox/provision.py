@@ -27,6 +27,9 @@ class SandboxImage:
         self.image_id: str | None = None
         self.building = False
         self.error: str | None = None
+        # Whether it has been looked for since the service started: before that, /health says "starting"
+        # rather than report an image it has not looked for as missing.
+        self.checked = False
         self._build_failure: str | None = None  # kept: a later look-up must not hide why the build failed
 
     async def refresh(self, *, build: bool) -> None:
@@ -35,7 +38,9 @@ class SandboxImage:
             self.image_id = await self.engine.image_id(self.tag)
         except EngineUnavailable as exc:
             self.error = exc.message
+            self.checked = True
             return
+        self.checked = True
         if self.image_id is not None:
             self.error = None
             return

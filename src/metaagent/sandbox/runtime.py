@@ -136,7 +136,20 @@ class RuntimeChoice:
         self.setting: Setting = setting
         self.runtime: Runtime | None = RUNC if setting == "runc" else None
         self.reason = f"{SETTING}=runc" if setting == "runc" else "not chosen yet: runsc's self-test needs the image"
+        # Why the start-up sequence could not choose yet (no engine, no image); the next execution tries.
+        self.deferred: str | None = None
         self._lock = anyio.Lock()
+
+    @property
+    def has_run(self) -> bool:
+        """Whether the choice has been made, or tried since start-up and put off (`defer`)."""
+        return self.runtime is not None or self.deferred is not None
+
+    def defer(self, why: str) -> None:
+        """The start-up sequence could not choose (`why`): the choice waits for the first execution."""
+        if self.runtime is None:
+            self.deferred = why
+            self.reason = f"not chosen yet: {why}"
 
     @classmethod
     def parse(cls, value: str) -> RuntimeChoice:

@@ -27,6 +27,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
+from metaagent import hints
 from metaagent.audit import AuditLog
 from metaagent.background import logged
 from metaagent.errors import (
@@ -264,7 +265,8 @@ class Sessions:
                 raise InvalidRequest.for_field(
                     name,
                     f"session {session_id} has {name} {_shown(own)}, not {_shown(value)}; leave {name} out "
-                    f"(or null) in a call into a session, or create another session with it",
+                    f"(or null) in a call into a session, or create another session with it "
+                    f"({hints.hint(hints.CREATE_SESSION)})",
                 )
 
     def get(self, session_id: str, caller: Caller) -> Session:
@@ -279,7 +281,7 @@ class Sessions:
         ended = self._ended.get(session_id)
         if ended is not None and may_access(caller, ended.owner):
             raise Gone(f"Session {session_id} has ended: {ended.reason}", reason=ended.reason)
-        raise NotFound(f"No session {session_id!r}; create one with POST /sessions")
+        raise NotFound(f"No session {session_id!r}; to create one, {hints.hint(hints.CREATE_SESSION)}")
 
     def list(self, caller: Caller) -> list[SessionRecord]:
         ready = [s for s in self._open.values() if s.container is not None and not s.container.ended.is_set()]
@@ -340,13 +342,13 @@ class Sessions:
         if not tenant.operator and mine >= self.limits.per_key:
             raise AtCapacity(
                 f"{who} already has {mine} sessions open, its share (METAAGENT_SESSIONS_PER_KEY: "
-                f"{self.limits.per_key}); close one first",
+                f"{self.limits.per_key}); close one first ({hints.hint(hints.CLOSE_SESSION)})",
                 retry_after_s=5,
             )
         if len(self._open) >= self.limits.max_sessions:
             raise AtCapacity(
                 f"At capacity: the service has as many sessions open as it may (METAAGENT_SESSION_MAX), {mine} "
-                "of them yours; close one or retry later",
+                f"of them yours; close one ({hints.hint(hints.CLOSE_SESSION)}) or retry later",
                 retry_after_s=5,
             )
 
@@ -635,10 +637,12 @@ def _file_error(session: Session, path: str, exc: FileRefused | SessionGone) -> 
             )
         return Gone(f"Session {session.session_id} has ended: {exc.reason}", reason=exc.reason)
     if exc.kind == "not_found":
-        return NotFound(f"No file {path!r} in the workspace ({exc.message})")
+        listing = hints.hint(hints.LIST_FILES, session_id=session.session_id)
+        return NotFound(f"No file {path!r} in the workspace ({exc.message}); to see its files, {listing}")
     if exc.kind == "full":
         return InsufficientStorage(
-            "The session's workspace is full (METAAGENT_SESSION_WORKSPACE_MB); delete files and retry"
+            "The session's workspace is full (METAAGENT_SESSION_WORKSPACE_MB); delete files "
+            f"({hints.hint(hints.DELETE_FILE, session_id=session.session_id)}) and retry"
         )
     if exc.kind == "is_folder":
         return RequestRefused(f"{path} is a folder in the workspace; name a file")
