@@ -92,7 +92,16 @@ async def test_fastmcp_runs_a_whole_session(sandbox_service: Service) -> None:
                 return result.structured_content
 
             await whole_session(call)
+            # A call that runs out of the client's own timeout is abandoned, and the service interrupts it:
+            # the next call of that session runs, long before the abandoned one's timeout_s (300 s).
+            session_id = (await call("session_create", {}))["session_id"]
+            spin = {"session_id": session_id, "code": "for (;;) {}", "timeout_s": 300}
+            with pytest.raises(mcp.MCPError, match="timed out"):
+                await client.call_tool("code_interpreter", spin, timeout=2)
+            after = await call("code_interpreter", {"session_id": session_id, "code": "'served'"})
+            await call("session_close", {"session_id": session_id})
     assert names == [spec.name for spec in TOOLS]
+    assert after["result"] == "'served'"
 
 
 async def test_the_openai_agents_sdk_runs_a_whole_session_in_strict_mode(sandbox_service: Service) -> None:
