@@ -175,7 +175,7 @@ def test_whatever_text_a_runner_sends_every_face_can_write_the_answer(
     out.finish()
     err.finish()
     outcome = CallOutcome("ok", out, err, 1, result=call["result"])
-    answer = _response("ses_x", "exe_x", outcome, 0)
+    answer = _response("ses_x", "exe_x", outcome, 0, timeout_s=8, memory_mb=256)
     faces(answer)
     assert answer.result == to_well_formed(result)
     files = FileList(files=[FileInfo.model_validate(entry) for entry in listing["files"]])
