@@ -6,10 +6,11 @@ route runs, on the same `Services`; each tool's annotations say what a call does
 A result carries the response model as `structuredContent` and the same JSON as compact text; a refusal
 or failure (`MetaAgentError`) is a tool error (`isError`) with its message. A call of a streaming tool
 that carries a `progressToken` also sends its output as progress notifications (`metaagent.progress`);
-its result is the same. Each POST body at `/mcp` is read first by the service's strict JSON decoder
-(`metaagent.request_json`: UTF-8 only, no repeated key, no integer past its range), which answers a
-JSON-RPC parse error (HTTP 400, as the SDK answers its own) that names the field; the arguments then
-meet the tool's request model, strict as over HTTP.
+its result is the same. Workspace files are resources (`metaagent.workspace_resources`). Each POST body
+at `/mcp` is read first by the service's strict JSON decoder (`metaagent.request_json`: UTF-8 only, no
+repeated key, no integer past its range), which answers a JSON-RPC parse error (HTTP 400, as the SDK
+answers its own) that names the field; the arguments then meet the tool's request model, strict as over
+HTTP.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from metaagent import __version__
-from metaagent.access import acting_as, caller_of
+from metaagent import __version__, workspace_resources
+from metaagent.access import acting_as, caller_of, current_tenant
 from metaagent.api.errors import ErrorResponse
 from metaagent.errors import InvalidRequest, MetaAgentError, describe_validation_errors
 from metaagent.hints import Face, speaking
@@ -50,6 +51,7 @@ from metaagent.tools import ToolSpec, inline_refs
 log = logging.getLogger("metaagent.mcp")
 
 PATH = "/mcp"
+RESOURCE_NOT_FOUND = -32002  # the MCP specification's code for a resource that does not exist
 
 
 def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) -> Server[Any]:
@@ -105,6 +107,26 @@ def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) ->
         text = json.dumps(structured, ensure_ascii=False, separators=(",", ":"))
         return types.CallToolResult(content=[types.TextContent(text=text)], structured_content=structured)
 
+    async def list_resources(
+        _ctx: ServerRequestContext[Any], _params: types.PaginatedRequestParams | None
+    ) -> types.ListResourcesResult:
+        return types.ListResourcesResult(resources=[])  # see metaagent.workspace_resources
+
+    async def list_resource_templates(
+        _ctx: ServerRequestContext[Any], _params: types.PaginatedRequestParams | None
+    ) -> types.ListResourceTemplatesResult:
+        return types.ListResourceTemplatesResult(resource_templates=[workspace_resources.TEMPLATE])
+
+    async def read_resource(
+        ctx: ServerRequestContext[Any], params: types.ReadResourceRequestParams
+    ) -> types.ReadResourceResult:
+        try:
+            with acting_as(caller_of(ctx.request)), speaking(Face.TOOLS):
+                return await workspace_resources.read(services().sessions, params.uri, current_tenant())
+        except MetaAgentError as exc:  # a JSON-RPC error: a resource read has no isError
+            code = RESOURCE_NOT_FOUND if exc.status_code in (404, 410) else types.INVALID_PARAMS
+            raise MCPError(code, exc.message) from None
+
     schemas = {spec.name: spec.parameters_schema() for spec in tools}
     return Server(
         "metaagent",
@@ -115,6 +137,9 @@ def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) ->
         get_tool_input_schema=schemas.get,
         on_list_tools=list_tools,
         on_call_tool=call_tool,
+        on_list_resources=list_resources,
+        on_list_resource_templates=list_resource_templates,
+        on_read_resource=read_resource,
     )
 
 

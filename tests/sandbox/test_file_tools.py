@@ -7,7 +7,10 @@ import base64
 import hashlib
 from typing import Any
 
+import anyio
 import httpx2
+import mcp
+import mcp.types as types
 import pytest
 
 from tests.sandbox.conftest import Sessions, audit_records
@@ -112,3 +115,33 @@ def test_after_close_the_file_tools_answer_410(sessions: Sessions) -> None:
     answer = tool(sessions, "session_read_file", session_id=session_id, path="x")
     assert answer.status_code == 410
     assert answer.json()["reason"] == "closed"
+
+
+async def test_workspace_files_are_mcp_resources_of_the_callers_sessions(sessions: Sessions) -> None:
+    session_id = sessions.create()
+    tool(sessions, "session_write_file", session_id=session_id, path="data/notes é.txt", content="hello")
+    sessions.request("PUT", f"/sessions/{session_id}/files/raw.bin", content=bytes([0, 255]))
+    base = f"metaagent://sessions/{session_id}/files"
+    with anyio.fail_after(60):
+        async with mcp.Client(f"{sessions.service.base_url}/mcp") as client:
+            templates = (await client.list_resource_templates()).resource_templates
+            listed = (await client.list_resources()).resources
+            text = (await client.read_resource(f"{base}/data/notes%20%C3%A9.txt")).contents
+            blob = (await client.read_resource(f"{base}/raw.bin")).contents
+            with pytest.raises(mcp.MCPError) as missing:
+                await client.read_resource(f"{base}/nowhere.txt")
+            with pytest.raises(mcp.MCPError) as escaping:
+                await client.read_resource(f"{base}/../../etc/passwd")
+            with pytest.raises(mcp.MCPError) as unknown:
+                await client.read_resource("metaagent://sessions/ses_nope/files/x")
+    assert [t.uri_template for t in templates] == ["metaagent://sessions/{session_id}/files/{path}"]
+    assert listed == []  # listing every session's files would be a use of each (see workspace_resources)
+    assert isinstance(text[0], types.TextResourceContents)
+    assert (text[0].text, text[0].mime_type) == ("hello", "text/plain")
+    assert isinstance(blob[0], types.BlobResourceContents)
+    assert base64.b64decode(blob[0].blob) == bytes([0, 255])
+    assert missing.value.error.code == -32002
+    assert "No file" in missing.value.error.message
+    assert escaping.value.error.code == types.INVALID_PARAMS
+    assert unknown.value.error.code == -32002
+    assert "session_create" in unknown.value.error.message  # the hint names the tool, as over MCP

@@ -36,24 +36,32 @@ async def list_files(sessions: Sessions, request: SessionFilesRequest, caller: C
     return await sessions.list_files(request.session_id, caller)
 
 
-async def read_file(sessions: Sessions, request: SessionReadFileRequest, caller: Caller) -> FileContent:
-    path = checked_path(request.path)
-    async with sessions.read_file(request.session_id, path, caller) as download:
+async def read_bytes(sessions: Sessions, session_id: str, path: str, caller: Caller, *, reader: str) -> bytes:
+    """The bytes of a workspace file of at most `MAX_TOOL_FILE_BYTES` (`reader` names the tool or face that
+    asks, for the refusal); `path` is checked here."""
+    path = checked_path(path)
+    async with sessions.read_file(session_id, path, caller) as download:
         if download.size > MAX_TOOL_FILE_BYTES:
             raise RequestRefused(
-                f"{path} is {download.size} bytes; session_read_file returns at most {_MIB} MiB. Read it in "
-                f"parts with code in the session, or download it with GET /sessions/{request.session_id}/files/{path}"
+                f"{path} is {download.size} bytes; {reader} returns at most {_MIB} MiB. Read it in parts with "
+                f"code in the session, or download it with GET /sessions/{session_id}/files/{path}"
             )
         pieces: list[bytes] = []
         received = 0
         async for chunk in download.chunks:
             received += len(chunk)
             if received > download.size:  # the session sends more than it announced: not believed
-                raise Unavailable(f"Session {request.session_id} sent more of {path} than its size; retry")
+                raise Unavailable(f"Session {session_id} sent more of {path} than its size; retry")
             pieces.append(chunk)
     data = b"".join(pieces)
     if len(data) != download.size:
-        raise Unavailable(f"Session {request.session_id} sent {len(data)} of the {download.size} bytes of {path}")
+        raise Unavailable(f"Session {session_id} sent {len(data)} of the {download.size} bytes of {path}")
+    return data
+
+
+async def read_file(sessions: Sessions, request: SessionReadFileRequest, caller: Caller) -> FileContent:
+    data = await read_bytes(sessions, request.session_id, request.path, caller, reader="session_read_file")
+    path = checked_path(request.path)
     if request.encoding == "base64":
         content = base64.b64encode(data).decode("ascii")
     else:
