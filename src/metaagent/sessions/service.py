@@ -2,11 +2,11 @@
 
 A session is created on a warm container when it asks for the pool's configuration, else on a new one,
 with the same container spec (`languages.container`), limits and audit as a one-shot execution
-(`tools.code_interpreter`), and the workspace. Its calls and file requests run one at a time, in arrival order; at most
-`queue_size` wait (429 past that). It ends when it is closed, idle past its `idle_timeout_s`, past the
-lifetime cap, when its process ends, or when the service stops; for an hour afterwards its id answers
-410 with the reason. To every caller but its owner (the API key that created it) it does not exist
-(404), open or ended.
+(`tools.code_interpreter`), and the workspace. Its calls and file requests run one at a time, in arrival
+order; at most `queue_size` wait (429 past that). It ends when it is closed, idle past its
+`idle_timeout_s`, past the lifetime cap, when its process ends, or when the service stops; for an hour
+afterwards its id answers 410 with the reason. To every caller but its owner (the API key that created
+it) it does not exist (404), open or ended.
 """
 
 from __future__ import annotations
