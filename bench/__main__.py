@@ -23,7 +23,7 @@ from bench.baselines import BENCH_LABEL, DEFAULT_EPICBOX_VENV, Epicbox, ensure_e
 from bench.machine import REPO, describe, load_average, node_path
 from bench.report import render, targets
 from bench.service import BenchService
-from metaagent.sandbox.image import image_tag
+from metaagent.languages.javascript.image import image_tag
 from metaagent.sandbox.runtime import RUNSC, registration_problem
 from metaagent.settings import Settings
 

@@ -18,9 +18,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from metaagent.languages.container import container_spec
 from metaagent.sandbox.engine import SANDBOX_UID
 from metaagent.sandbox.runtime import RUNC, Runtime
-from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB, container_spec
+from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB
 
 PROGRAM = "console.log(1)"
 EXPECTED_STDOUT = "1\n"

@@ -20,11 +20,12 @@ from bench.cpustat import COMPONENTS, Window, per_execution
 from bench.cpuwatch import Scope, Watcher
 from bench.phases import StreamClock
 from metaagent.executions import Execution, new_execution_id
+from metaagent.languages.container import container_spec
 from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, ContainerSpec, ContainerState, Engine
 from metaagent.sandbox.execute import execute, payload, prepare, wait_ready
 from metaagent.sandbox.output import Stream
 from metaagent.sandbox.runtime import Runtime
-from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB, container_spec
+from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB
 
 SHIM_GONE_TIMEOUT_S = 120.0
 IDLE_PHASE = "idle in the pool"

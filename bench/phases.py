@@ -26,11 +26,12 @@ import anyio
 from bench.baselines import EXPECTED_STDOUT, PROGRAM
 from bench.stats import Summary
 from metaagent.executions import Execution, new_execution_id
+from metaagent.languages.container import container_spec
 from metaagent.sandbox import execute as execute_module
 from metaagent.sandbox.engine import ContainerSpec, ContainerState, Engine, sock_recv
 from metaagent.sandbox.execute import Prepared, execute, payload, prepare, wait_ready
 from metaagent.sandbox.runtime import RUNC, Runtime
-from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB, container_spec
+from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB
 
 EXECUTE = "execute (the request's engine part)"
 # Prints once node is up, then waits on stdin as a warm runner does (so its CPU time can be read).

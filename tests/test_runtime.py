@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from metaagent.errors import ConfigError
+from metaagent.languages.container import container_spec
 from metaagent.sandbox.leftovers import is_sandbox_spec
 from metaagent.sandbox.runtime import (
     PROCESS_LIMIT,
@@ -20,7 +21,6 @@ from metaagent.sandbox.runtime import (
     parse_setting,
     registration_problem,
 )
-from metaagent.tools.code_interpreter import container_spec
 from tests.test_cli import run
 
 REGISTER = Path(__file__).parent.parent / "scripts" / "register-runsc"

@@ -263,7 +263,7 @@ def sandbox_build() -> None:
     """Build the sandbox image offline from Debian packages (cached; about a minute the first time)."""
     import docker
 
-    from metaagent.sandbox.image import ImageBuildError, build_image
+    from metaagent.languages.javascript.image import ImageBuildError, build_image
 
     settings = _settings()
     try:
@@ -281,7 +281,7 @@ def sandbox_prune() -> None:
     """Remove sandbox image tags of other versions (left by runner changes); keep this version's."""
     import docker
 
-    from metaagent.sandbox.image import prune_images
+    from metaagent.languages.javascript.image import prune_images
 
     try:
         removed, in_use = prune_images(docker.from_env())

@@ -16,7 +16,7 @@ import docker as docker_sdk
 import httpx2
 import pytest
 
-from metaagent.sandbox.image import image_tag
+from metaagent.languages.javascript.image import image_tag
 from metaagent.sandbox.runtime import RUNC, Runtime
 from tests.sandbox.conftest import (
     HOST_SECRET,

@@ -14,12 +14,12 @@ import anyio
 import pytest
 
 from metaagent.executions import Execution, new_execution_id
+from metaagent.languages.container import container_spec
+from metaagent.languages.javascript.image import image_tag
 from metaagent.packages.install import archive
 from metaagent.sandbox.engine import Engine, Mount
 from metaagent.sandbox.execute import Outcome, execute
-from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.runtime import RUNC, RUNSC, Runtime
-from metaagent.tools.code_interpreter import container_spec
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
 

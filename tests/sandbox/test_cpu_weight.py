@@ -16,11 +16,12 @@ import httpx2
 import pytest
 
 from metaagent.executions import new_execution_id
+from metaagent.languages.container import container_spec
+from metaagent.languages.javascript.image import image_tag
 from metaagent.sandbox.engine import RUNNING_CPU_SHARES, STARTING_CPU_SHARES, Engine
 from metaagent.sandbox.execute import prepare
-from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.runtime import RUNC, RUNSC, registration_problem
-from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB, container_spec
+from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB
 from tests.sandbox.conftest import Service, audit_record, running_service, wait_for_warm_containers
 from tests.sandbox.test_runtime import engine_runtimes
 

@@ -18,9 +18,9 @@ import docker
 import pytest
 
 from metaagent.executions import new_execution_id
+from metaagent.languages.container import container_spec
+from metaagent.languages.javascript.image import image_tag
 from metaagent.sandbox.engine import CALLS, CONTROL, OWNER_PID_LABEL, SERVICE_LABEL, Engine, EngineTimeout
-from metaagent.sandbox.image import image_tag
-from metaagent.tools.code_interpreter import container_spec
 from tests.sandbox.private_engine import PrivateEngine, private_engine
 
 pytestmark = [pytest.mark.docker]

@@ -20,7 +20,7 @@ import docker
 import httpx2
 import pytest
 
-from metaagent.sandbox.image import image_tag
+from metaagent.languages.javascript.image import image_tag
 from tests.sandbox.conftest import owned_containers
 from tests.sandbox.private_engine import PrivateEngine, private_engine
 from tests.test_cli import serving

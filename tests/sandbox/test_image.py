@@ -16,9 +16,8 @@ import docker
 import docker.errors
 import pytest
 
-from metaagent.sandbox import image as sandbox_image
-from metaagent.sandbox.execute import RUNNER_READY
-from metaagent.sandbox.image import (
+from metaagent.languages.javascript import image as sandbox_image
+from metaagent.languages.javascript.image import (
     IMAGE_LABEL,
     IMAGE_REPOSITORY,
     build_image,
@@ -26,6 +25,7 @@ from metaagent.sandbox.image import (
     image_tag,
     runner_command,
 )
+from metaagent.sandbox.execute import RUNNER_READY
 from tests.test_cli import run as run_cli
 
 pytestmark = pytest.mark.docker

@@ -32,9 +32,10 @@ from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard
 from metaagent.errors import ConfigError, RequestRefused
 from metaagent.executions import Execution, new_execution_id
+from metaagent.languages.container import container_spec
+from metaagent.languages.javascript.image import image_tag
 from metaagent.sandbox.engine import Engine
 from metaagent.sandbox.execute import Outcome, execute
-from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.network import NetworkLimits, SandboxNetwork, read_extra_ca_certs
 from metaagent.sandbox.tunnel import (
     ACCEPTS_PER_TUNNEL,
@@ -43,7 +44,6 @@ from metaagent.sandbox.tunnel import (
     MAX_REFUSALS,
     TunnelStats,
 )
-from metaagent.tools.code_interpreter import container_spec
 from tests.conftest import _UpstreamHandler
 from tests.sandbox.conftest import Result, Service, audit_records, running_service
 from tests.sandbox.test_tunnel import closing_server, holding_server, port_of

@@ -19,11 +19,11 @@ from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
 from metaagent.egress.guard import EgressGuard
 from metaagent.executions import new_execution_id
+from metaagent.languages.javascript.image import image_tag
 from metaagent.packages.install import NpmInstaller
 from metaagent.packages.policy import PackagePolicy
 from metaagent.packages.store import PACKAGES_LABEL, PackageStore, PreparedPackages
 from metaagent.sandbox.engine import Engine, EngineUnavailable
-from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.network import NetworkLimits, SandboxNetwork
 from tests.fake_registry import FakePackage, FakeRegistry, running_registry
 from tests.sandbox.conftest import Service, audit_record, running_service

@@ -15,12 +15,12 @@ import docker.errors
 import pytest
 from prometheus_client import REGISTRY
 
+from metaagent.languages.container import container_spec
 from metaagent.sandbox.engine import OWNER_PID_LABEL, ContainerSpec, Engine
 from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
 from metaagent.sandbox.runtime import Runtime
 from metaagent.sandbox.sizing import PoolLimits
-from metaagent.tools.code_interpreter import container_spec
 from tests.sandbox.conftest import (
     Service,
     audit_record,

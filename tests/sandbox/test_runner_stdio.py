@@ -11,7 +11,7 @@ import uuid
 import docker
 import pytest
 
-from metaagent.sandbox.image import image_tag, runner_command
+from metaagent.languages.javascript.image import image_tag, runner_command
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
 

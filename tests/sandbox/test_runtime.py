@@ -25,12 +25,12 @@ import pytest
 
 from metaagent.errors import MetaAgentError
 from metaagent.executions import Execution, new_execution_id
+from metaagent.languages.container import container_spec
+from metaagent.languages.javascript.image import image_tag
 from metaagent.sandbox import leftovers
 from metaagent.sandbox.engine import Engine
 from metaagent.sandbox.execute import execute, payload
-from metaagent.sandbox.image import image_tag
 from metaagent.sandbox.runtime import RUNSC, registration_problem
-from metaagent.tools.code_interpreter import container_spec
 from tests.sandbox.conftest import RUNTIME_UNDER_TEST, Service, audit_record, code_runner
 from tests.sandbox.private_engine import PrivateEngine, private_engine
 from tests.test_cli import run, serving

@@ -19,7 +19,7 @@ import docker
 import httpx2
 import pytest
 
-from metaagent.sandbox.image import image_tag
+from metaagent.languages.javascript.image import image_tag
 from tests.sandbox.conftest import Service, Sessions, audit_records, labelled_containers, running_service
 from tests.sandbox.private_engine import PrivateEngine, private_engine
 from tests.sandbox.test_sessions import ALICE, BOB

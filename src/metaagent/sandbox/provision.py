@@ -1,4 +1,4 @@
-"""Whether the sandbox image is there, and building it in the background when it is not.
+"""Whether a language's sandbox image is there, and building it in the background when it is not.
 
 The service starts at once; executions answer 503 with the reason (building, build failed, engine down)
 until the image is ready. A missing image or engine is looked for again on the next execution, so a
@@ -13,16 +13,19 @@ from pathlib import Path
 import anyio
 
 from metaagent.errors import Unavailable
+from metaagent.languages import DEFAULT_LANGUAGE, ImageBuildError, Language
 from metaagent.sandbox.engine import Engine, EngineUnavailable
-from metaagent.sandbox.image import ImageBuildError, build_image, image_tag
 
 log = logging.getLogger("metaagent.sandbox")
 
 
 class SandboxImage:
-    def __init__(self, engine: Engine, *, tag: str | None, cache_dir: Path) -> None:
+    def __init__(
+        self, engine: Engine, *, tag: str | None, cache_dir: Path, language: Language = DEFAULT_LANGUAGE
+    ) -> None:
         self.engine = engine
-        self.tag = tag or image_tag()
+        self.language = language
+        self.tag = tag or language.image_tag()
         self.cache_dir = cache_dir
         self.image_id: str | None = None
         self.building = False
@@ -61,7 +64,9 @@ class SandboxImage:
             self.building = False
 
     def _build(self) -> str:
-        return build_image(self.engine.client, cache_dir=self.cache_dir, progress=lambda line: log.info("%s", line))
+        return self.language.build_image(
+            self.engine.client, cache_dir=self.cache_dir, progress=lambda line: log.info("%s", line)
+        )
 
     async def require(self) -> str:
         """The image to run, or Unavailable (503) saying why there is none."""

@@ -44,7 +44,6 @@ log = logging.getLogger("metaagent.session")
 
 READY_TIMEOUT_S = 30.0
 _DOWNLOAD_BUFFER_FRAMES = 16  # frames of 64 KiB held between the runner and a download's client
-_HEAP_EXHAUSTED = "JavaScript heap out of memory"
 MAX_LISTED = 10_000  # the most files a listing holds, as runner/supervisor.js
 _WINDOW_CAP: dict[Stream, int] = {"stdout": STDOUT_CAP, "stderr": STDERR_CAP}  # as runner/supervisor.js
 
@@ -147,10 +146,21 @@ class _DownloadStream:
 
 
 class SessionContainer:
-    def __init__(self, engine: Engine, prepared: Prepared, *, grace_s: float, file_timeout_s: float) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        prepared: Prepared,
+        *,
+        grace_s: float,
+        file_timeout_s: float,
+        out_of_memory_message: str | None = None,
+    ) -> None:
+        """`out_of_memory_message`: the language's heap-exhausted line (`Language.out_of_memory_message`);
+        a process that ends after writing it on stderr ended out of memory."""
         self.engine = engine
         self.prepared = prepared
         self.grace_s = grace_s
+        self.out_of_memory_message = out_of_memory_message
         # A file request the runner does not begin to answer in this time (its event loop is blocked by
         # the program) ends the session.
         self.file_timeout_s = file_timeout_s
@@ -263,7 +273,8 @@ class SessionContainer:
         self.exit_code = status
         with anyio.move_on_after(5):  # what the process wrote last (V8's heap message) is still in flight
             await self._drained.wait()
-        heap = _HEAP_EXHAUSTED in self._output.stderr.text()
+        message = self.out_of_memory_message
+        heap = message is not None and message in self._output.stderr.text()
         self.oom_killed = state.oom_killed or heap
         self._exited.set()
         self._end("oom" if self.oom_killed else "exited")

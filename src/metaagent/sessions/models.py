@@ -8,13 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, create_model
 
-from metaagent.tools.code_interpreter import (
-    DEFAULT_MEMORY_MB,
-    MAX_CODE_BYTES,
-    CodeInterpreterResponse,
-    Language,
-    NetworkPolicy,
-)
+from metaagent.languages import LanguageName
+from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB, MAX_CODE_BYTES, CodeInterpreterResponse, NetworkPolicy
 from metaagent.validation import ToolRequest
 
 SessionState = Literal["idle", "busy"]
@@ -30,7 +25,9 @@ class SessionCreateRequest(ToolRequest):
     also ends after idle_timeout_s without a call).
     """
 
-    language: Language = Field(default="javascript", description="javascript (Node.js 18); python is not served yet.")
+    language: LanguageName = Field(
+        default="javascript", description="javascript (Node.js 18); python is not served yet."
+    )
     memory_mb: int = Field(default=DEFAULT_MEMORY_MB, ge=64, le=1024, description="Memory limit in MiB (no swap).")
     packages: list[str] = Field(
         default_factory=list, max_length=16, description="npm packages from the package allow-list."
@@ -43,7 +40,7 @@ class SessionCreateRequest(ToolRequest):
 
 class SessionRecord(BaseModel):
     session_id: str
-    language: Language
+    language: LanguageName
     memory_mb: int
     packages: list[str]
     network: NetworkPolicy | None

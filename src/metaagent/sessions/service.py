@@ -1,12 +1,12 @@
 """The sessions of this service: their containers, their calls and file requests, and their ends.
 
 A session is created on a warm container when it asks for the pool's configuration, else on a new one,
-with the same container spec, limits and audit as a one-shot execution (`tools.code_interpreter`), and
-the workspace. Its calls and file requests run one at a time, in arrival order; at most
-`queue_size` wait (429 past that). It ends when it is closed, idle past its `idle_timeout_s`, past the
-lifetime cap, when its process ends, or when the service stops; for an hour afterwards its id answers
-410 with the reason. To every caller but its owner (the API key that created it) it does not exist
-(404), open or ended.
+with the same container spec (`languages.container`), limits and audit as a one-shot execution
+(`tools.code_interpreter`), and the workspace. Its calls and file requests run one at a time, in arrival
+order; at most `queue_size` wait (429 past that). It ends when it is closed, idle past its
+`idle_timeout_s`, past the lifetime cap, when its process ends, or when the service stops; for an hour
+afterwards its id answers 410 with the reason. To every caller but its owner (the API key that created
+it) it does not exist (404), open or ended.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from metaagent.errors import (
     UpstreamTimeout,
 )
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
+from metaagent.languages import Language, code_fields, served_language
+from metaagent.languages.container import container_spec
 from metaagent.sandbox.execute import STDOUT_CAP, first_of, prepare, session_payload, wait_ready
 from metaagent.sandbox.output import OutputSink
 from metaagent.sandbox.session_container import (
@@ -68,13 +70,7 @@ from metaagent.sessions.models import (
 )
 from metaagent.sessions.paths import checked_path
 from metaagent.tenancy import Caller, may_access, visible_to
-from metaagent.tools.code_interpreter import (
-    CodeInterpreter,
-    NetworkPolicy,
-    code_fields,
-    container_spec,
-    refuse_unserved_language,
-)
+from metaagent.tools.code_interpreter import CodeInterpreter, NetworkPolicy
 
 log = logging.getLogger("metaagent.sessions")
 
@@ -292,7 +288,7 @@ class Sessions:
     async def create(self, request: SessionCreateRequest, tenant: Caller) -> SessionRecord:
         if self.closing or self.interpreter.closing:
             raise Unavailable("The service is shutting down; retry on another instance")
-        refuse_unserved_language(request.language)
+        language = served_language(request.language)
         caller = tenant.key_id
         self._admit(tenant)
         interpreter = self.interpreter
@@ -308,7 +304,7 @@ class Sessions:
         )
         self._open[session.session_id] = session
         try:
-            await self._start(session, dependencies, allowlist)
+            await self._start(session, language, dependencies, allowlist)
         except BaseException:
             self._open.pop(session.session_id, None)
             with anyio.CancelScope(shield=True):
@@ -352,7 +348,7 @@ class Sessions:
                 retry_after_s=5,
             )
 
-    async def _start(self, session: Session, dependencies: dict[str, str], allowlist: Any) -> None:
+    async def _start(self, session: Session, language: Language, dependencies: dict[str, str], allowlist: Any) -> None:
         interpreter = self.interpreter
         request = session.config
         image_ref = await interpreter.image.require()
@@ -377,6 +373,7 @@ class Sessions:
             spec = container_spec(
                 new_execution_id(), image_ref, request.memory_mb, interpreter.cpus, mounts=mounts,
                 workspace_mb=self.workspace_mb, runtime=await interpreter.runtime_in_force(image_ref),
+                language=language,
             )  # fmt: skip
             session.security = spec.security_context()
             prepared = await prepare(self.engine, spec, start=True)
@@ -390,7 +387,11 @@ class Sessions:
                     await self.engine.remove(prepared.container_id)
                 raise
         container = SessionContainer(
-            self.engine, prepared, grace_s=interpreter.grace_s, file_timeout_s=self.limits.file_timeout_s
+            self.engine,
+            prepared,
+            grace_s=interpreter.grace_s,
+            file_timeout_s=self.limits.file_timeout_s,
+            out_of_memory_message=language.out_of_memory_message,
         )
         if self._group is None:
             raise Unavailable("Sessions are not being served yet; retry in a moment")

@@ -1,15 +1,18 @@
-"""The code interpreter tool: untrusted JavaScript, one fresh locked-down container per execution."""
+"""The code interpreter tool: untrusted code, one fresh locked-down container per execution.
+
+The request, its admission and audit are the same in every language; what the language contributes
+(its image, its runner, the refusal of one not served) comes from `metaagent.languages`, which sessions
+use too.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 from pydantic import BaseModel, Field
@@ -18,23 +21,16 @@ from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
 from metaagent.errors import AtCapacity, MetaAgentError, PackageRefused, RequestRefused, Unavailable
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
+from metaagent.languages import LanguageName, code_fields, served_language
+from metaagent.languages.container import container_spec
 from metaagent.packages.store import NO_PACKAGES, PackageStore, PreparedPackages
-from metaagent.sandbox.engine import (
-    EXECUTION_LABEL,
-    OWNER_PID_LABEL,
-    SERVICE_LABEL,
-    STARTING_CPU_SHARES,
-    ContainerSpec,
-    Engine,
-    Mount,
-)
+from metaagent.sandbox.engine import ContainerSpec, Engine
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Outcome, execute, payload
-from metaagent.sandbox.image import runner_command
 from metaagent.sandbox.network import ExecutionNetwork, SandboxNetwork
 from metaagent.sandbox.output import OutputSink
 from metaagent.sandbox.pool import Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
-from metaagent.sandbox.runtime import RUNC, ProbeSpec, Runtime, RuntimeChoice
+from metaagent.sandbox.runtime import ProbeSpec, Runtime, RuntimeChoice
 from metaagent.sandbox.sizing import PoolLimits
 from metaagent.validation import ToolRequest
 
@@ -54,7 +50,6 @@ class NetworkPolicy(ToolRequest):
 
 # Set when the session is created; a call into a session leaves them out (or null).
 SESSION_OWNED_FIELDS = ("memory_mb", "packages", "network", "language", "stdin")
-Language = Literal["javascript", "python"]
 
 
 class CodeInterpreterRequest(ToolRequest):
@@ -80,7 +75,9 @@ class CodeInterpreterRequest(ToolRequest):
     )
     stdin: str | None = Field(default=None, max_length=MAX_CODE_BYTES, description="Standard input for the program.")
     network: NetworkPolicy | None = Field(default=None, description="Egress for the code; null means no network.")
-    language: Language = Field(default="javascript", description="javascript (Node.js 18); python is not served yet.")
+    language: LanguageName = Field(
+        default="javascript", description="javascript (Node.js 18); python is not served yet."
+    )
     session_id: str | None = Field(
         default=None, max_length=64, description="Run in this session (see session_create); its state persists."
     )
@@ -139,52 +136,6 @@ class Admission:
             self._slots.release()
 
 
-def code_fields(code: str) -> dict[str, Any]:
-    """How audit records name code: its sha256 and size, never the code itself."""
-    data = code.encode()
-    return {"code_sha256": hashlib.sha256(data).hexdigest(), "code_bytes": len(data)}
-
-
-def refuse_unserved_language(language: str) -> None:
-    """A 400 for a language this service does not run yet (Python comes with its own image)."""
-    if language != "javascript":
-        raise RequestRefused(f"Language {language!r} is not served here yet; use javascript (Node.js 18)")
-
-
-def container_spec(
-    execution_id: str,
-    image: str,
-    memory_mb: int,
-    cpus: float,
-    mounts: tuple[Mount, ...] = (),
-    command: list[str] | None = None,
-    workspace_mb: int = 100,
-    runtime: Runtime = RUNC,
-) -> ContainerSpec:
-    """The container of one execution. `command` replaces the runner only in the tests of the container layer."""
-    node = runner_command(memory_mb)
-    starts_apart = runtime.updates_cpus and not command
-    return ContainerSpec(
-        # The trusted runner loads (node and the gate) with the machine's CPUs, not the execution's
-        # share, and with a starting container's low CPU weight; the share and a running execution's
-        # weight apply before the code is handed over. A command of the tests' runs at once, and so does
-        # everything under a runtime that cannot change a running container's quota.
-        start_cpus=float(os.cpu_count() or 1) if starts_apart else None,
-        start_cpu_shares=STARTING_CPU_SHARES if starts_apart else None,
-        runtime=runtime.name,
-        pids_limit=runtime.pids_limit(),
-        nproc=runtime.nproc(),
-        name=f"metaagent-{execution_id}",
-        image=image,
-        command=["/usr/bin/dumb-init", "--", *(command or node)],
-        memory_mb=memory_mb,
-        cpus=cpus,
-        labels={SERVICE_LABEL: "metaagent", EXECUTION_LABEL: execution_id, OWNER_PID_LABEL: str(os.getpid())},
-        mounts=mounts,
-        workspace_mb=workspace_mb,
-    )
-
-
 def probe_spec(cpus: float) -> ProbeSpec:
     """The runtime self-test's container: an execution's, with the default memory and `cpus`."""
     return lambda image_ref, runtime: container_spec(
@@ -193,6 +144,8 @@ def probe_spec(cpus: float) -> ProbeSpec:
 
 
 class CodeInterpreter:
+    """Runs code in the language of its image (`image.language`), one-shot here and for sessions."""
+
     def __init__(
         self,
         engine: Engine,
@@ -245,7 +198,7 @@ class CodeInterpreter:
         Every refusal (400, 429, 503) is raised before `sink.started()`: after it, only failures.
         """
         self._refuse_if_closing()
-        refuse_unserved_language(request.language)
+        language = served_language(request.language)
         dependencies = self.check_packages(request.packages)
         allowlist = self.network_allowlist(request.network)
         image_ref = await self.image.require()
@@ -276,6 +229,7 @@ class CodeInterpreter:
                     mounts,
                     workspace_mb=self.workspace_mb,
                     runtime=runtime,
+                    language=language,
                 )
             )
             self.registry.add(execution)
@@ -320,7 +274,13 @@ class CodeInterpreter:
     async def _pool_spec(self, execution_id: str, image_ref: str) -> ContainerSpec:
         runtime = await self.runtime_in_force(image_ref)
         return container_spec(
-            execution_id, image_ref, DEFAULT_MEMORY_MB, self.cpus, workspace_mb=self.workspace_mb, runtime=runtime
+            execution_id,
+            image_ref,
+            DEFAULT_MEMORY_MB,
+            self.cpus,
+            workspace_mb=self.workspace_mb,
+            runtime=runtime,
+            language=self.image.language,
         )
 
     def _refuse_if_closing(self) -> None:

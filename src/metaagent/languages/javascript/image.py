@@ -1,4 +1,4 @@
-"""The sandbox image: Debian's Node 18 on a minimal root fs, built offline without a registry.
+"""JavaScript's program image: Debian's Node 18 on a minimal root fs, built offline without a registry.
 
 Nothing can be pulled on the machines this runs on, so the image is assembled here:
 
@@ -36,6 +36,8 @@ from pathlib import Path, PurePosixPath
 import docker
 import docker.errors
 
+from metaagent.languages.language import ImageBuildError
+
 __all__ = [
     "IMAGE_LABEL",
     "IMAGE_REPOSITORY",
@@ -53,7 +55,9 @@ logger = logging.getLogger(__name__)
 
 IMAGE_REPOSITORY = "metaagent-sandbox"
 IMAGE_LABEL = "org.metaagent.sandbox"
-RUNNER_DIR = Path(__file__).parent / "runner"
+# The runner's files stay with the sandbox (runner/supervisor.js is the trusted half of every session):
+# the image carries all of them, and the tag hashes their names and contents, not where this module is.
+RUNNER_DIR = Path(__file__).parents[2] / "sandbox" / "runner"
 RUNNER_PATH = "/opt/metaagent/runner.js"  # where runner.js lands in the image
 
 
@@ -107,10 +111,6 @@ _FORBIDDEN_NAMES = frozenset({"sh", "bash", "dash", "busybox", "apt", "apt-get",
 _PASSWD = f"root:x:0:0:root:/root:/nonexistent\nsandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:/tmp:/nonexistent\n"
 _GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\n"
 _MAX_SYMLINK_HOPS = 40
-
-
-class ImageBuildError(Exception):
-    """The sandbox image could not be built; the message says what failed and what to do."""
 
 
 def _log_progress(line: str) -> None:
