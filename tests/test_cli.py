@@ -1,4 +1,5 @@
-"""The `metaagent` command as operators use it: real processes, real exit statuses, real stderr."""
+"""The `metaagent` command as operators use it: real processes, real exit statuses, real stderr; `sandbox
+prune` in process against a stand-in engine, since the real one is shared with other checkouts."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import docker
 import httpx2
 import pytest
+
+from metaagent.cli import sandbox_prune
+from metaagent.languages.javascript.image import IMAGE_REPOSITORY
+from metaagent.languages.python.image import PYTHON_IMAGE_REPOSITORY
+from tests.languages.test_rootfs import engine_with, every_languages_tags
 
 METAAGENT = [sys.executable, "-m", "metaagent"]
 
@@ -205,3 +212,14 @@ def test_run_without_a_container_engine_says_so_in_one_line_and_exits_1(tmp_path
     assert result.stderr.startswith("metaagent: The container engine is unavailable")
     assert result.stderr.count("\n") == 1
     assert "Traceback" not in result.stderr
+
+
+def test_sandbox_prune_prunes_both_languages_images_and_nothing_else(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client, fake = engine_with(*every_languages_tags())
+    monkeypatch.setattr(docker, "from_env", lambda: client)  # the in-process engine stand-in, not the real one
+    sandbox_prune()
+    old = [f"{IMAGE_REPOSITORY}:0.0.0-old", f"{PYTHON_IMAGE_REPOSITORY}:0.0.0-old"]
+    assert fake.removed == old
+    assert capsys.readouterr().out == "".join(f"removed {tag}\n" for tag in old) + "2 removed, 0 kept in use\n"

@@ -44,3 +44,38 @@ def test_a_keys_default_session_share_is_an_equal_part_of_the_total_and_at_least
     """The finding: the default was the whole METAAGENT_SESSION_MAX, so one key could hold every session."""
     settings = Settings(_env_file=None, session_max=session_max, sessions_per_key=per_key)  # type: ignore[call-arg]  # pydantic-settings' init-only option
     assert settings.effective_sessions_per_key(cpu_count=2, key_count=key_count) == share
+
+
+@pytest.mark.parametrize(
+    ("value", "languages"),
+    [
+        (None, ("javascript", "python")),
+        ("javascript", ("javascript",)),
+        (" javascript , python ", ("javascript", "python")),
+        ('["javascript", "python", "javascript"]', ("javascript", "python")),
+    ],
+)
+def test_languages_are_comma_separated_or_a_json_array_and_default_to_both(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, languages: tuple[str, ...]
+) -> None:
+    if value is not None:
+        monkeypatch.setenv("METAAGENT_LANGUAGES", value)
+    assert Settings().languages == languages
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("ruby,javascript", "unknown language 'ruby'"),
+        ("python", "javascript must be enabled"),
+        ("", "javascript must be enabled"),
+        ("[javascript", "not a JSON array"),
+    ],
+)
+def test_bad_languages_are_refused_with_what_to_give(monkeypatch: pytest.MonkeyPatch, value: str, problem: str) -> None:
+    monkeypatch.setenv("METAAGENT_LANGUAGES", value)
+    with pytest.raises(ValidationError) as raised:
+        Settings()
+    message = describe_settings_error(raised.value)
+    assert message.startswith("METAAGENT_LANGUAGES: ")
+    assert problem in message

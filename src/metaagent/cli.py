@@ -260,20 +260,23 @@ def repl(
 
 @sandbox_app.command("build")
 def sandbox_build() -> None:
-    """Build the sandbox image offline from Debian packages (cached; about a minute the first time)."""
+    """Build the sandbox images offline from Debian packages: JavaScript's, and Python's when python is in
+    METAAGENT_LANGUAGES (cached; the first build takes about a minute for JavaScript, minutes for Python)."""
     import docker
 
     from metaagent.languages.javascript.image import ImageBuildError, build_image
+    from metaagent.languages.python.image import build_python_image
 
     settings = _settings()
     try:
         client = docker.from_env()
-        image_id = build_image(client, cache_dir=settings.sandbox_cache_dir, progress=lambda line: print(line))
+        print(build_image(client, cache_dir=settings.sandbox_cache_dir, progress=lambda line: print(line)))
+        if "python" in settings.languages:
+            print(build_python_image(client, cache_dir=settings.sandbox_cache_dir, progress=lambda line: print(line)))
     except ImageBuildError as exc:
         raise _fail(f"error: {exc}", 1) from None
     except docker.errors.DockerException as exc:
         raise _fail(f"error: the container engine is unavailable ({exc}); run scripts/ensure-docker", 1) from None
-    print(image_id)
 
 
 @sandbox_app.command("prune")
@@ -282,9 +285,13 @@ def sandbox_prune() -> None:
     import docker
 
     from metaagent.languages.javascript.image import prune_images
+    from metaagent.languages.python.image import prune_python_images
 
     try:
-        removed, in_use = prune_images(docker.from_env())
+        client = docker.from_env()
+        removed, in_use = prune_images(client)
+        removed_python, in_use_python = prune_python_images(client)
+        removed, in_use = removed + removed_python, in_use + in_use_python
     except docker.errors.DockerException as exc:
         raise _fail(f"error: the container engine is unavailable ({exc}); run scripts/ensure-docker", 1) from None
     for tag in removed:

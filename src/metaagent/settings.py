@@ -8,17 +8,19 @@ than a generic JSON error.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, get_args
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 KIB = 1024
 MIB = 1024 * KIB
 
 
+LANGUAGES = ("javascript", "python")  # every language the sandbox knows, and the default of `languages`
 POOL_SIZE_MAX = 64
 POOL_GROWTH = 4  # the default ceiling of the warm pool, per execution slot
 
@@ -75,7 +77,9 @@ class Settings(BaseSettings):
     egress_max_connections: int = Field(default=64, ge=1, le=4096)
     egress_pool_wait_s: float = Field(default=5.0, gt=0, le=120)
 
-    # Code interpreter.
+    # Code interpreter. `languages`: those whose sandbox image `metaagent sandbox build` makes (JavaScript
+    # is always served; Python's image is built ahead of its runner).
+    languages: Annotated[tuple[str, ...], NoDecode] = LANGUAGES
     sandbox_image: str | None = None
     sandbox_cache_dir: Path = Path("/var/cache/metaagent")
     sandbox_build_on_start: bool = True
@@ -156,6 +160,29 @@ class Settings(BaseSettings):
     mcp_max_sessions: int | None = Field(default=None, ge=1, le=100_000)
     mcp_sessions_per_key: int | None = Field(default=None, ge=1, le=100_000)
     mcp_session_idle_timeout_s: float = Field(default=300.0, ge=1, le=86_400)
+
+    @field_validator("languages", mode="before")
+    @classmethod
+    def _parse_languages(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON array ({exc.msg}): give one, or names separated by commas") from None
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+
+    @field_validator("languages")
+    @classmethod
+    def _check_languages(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [name for name in value if name not in LANGUAGES]
+        if unknown:
+            raise ValueError(f"unknown language {unknown[0]!r}: give a list of {', '.join(LANGUAGES)}")
+        if "javascript" not in value:
+            raise ValueError("javascript must be enabled (the only language served so far)")
+        return tuple(dict.fromkeys(value))
 
     def effective_concurrency(self, cpu_count: int) -> int:
         """Concurrent executions: as many containers as the CPUs hold at `sandbox_cpus` each."""

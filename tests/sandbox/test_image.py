@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
 import stat
 import struct
 import tarfile
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -19,14 +22,13 @@ import pytest
 from metaagent.languages.javascript import image as sandbox_image
 from metaagent.languages.javascript.image import (
     IMAGE_LABEL,
-    IMAGE_REPOSITORY,
     build_image,
     image_present,
     image_tag,
     runner_command,
 )
+from metaagent.languages.rootfs import prune_repository
 from metaagent.sandbox.execute import RUNNER_READY
-from tests.test_cli import run as run_cli
 
 pytestmark = pytest.mark.docker
 
@@ -57,10 +59,14 @@ def sandbox(client: docker.DockerClient) -> str:
 def image_files(
     client: docker.DockerClient, sandbox: str, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tarfile.TarInfo]:
-    """Every entry of the image's file system, from a created (never started) container's export."""
-    container = client.containers.create(sandbox, command=["/usr/bin/node", "-e", "0"], network_mode="none")
+    return exported_files(client, sandbox, tmp_path_factory.mktemp("export"))
+
+
+def exported_files(client: docker.DockerClient, tag: str, folder: Path) -> dict[str, tarfile.TarInfo]:
+    """Every entry of an image's file system, from a created (never started) container's export."""
+    container = client.containers.create(tag, command=["/nonexistent"], network_mode="none")
     try:
-        exported = tmp_path_factory.mktemp("export") / "rootfs.tar"
+        exported = folder / "rootfs.tar"
         with exported.open("wb") as out:
             for chunk in container.export():
                 out.write(cast(bytes, chunk))  # the stubs say str; the engine sends bytes
@@ -307,14 +313,29 @@ def test_user_code_is_the_main_module(client: docker.DockerClient, sandbox: str)
     assert json.loads(run.stdout) == [True, True, "/app/main.js", "/app/main.js", "/app", ".", "/app/main.js"]
 
 
-def test_prune_removes_other_versions_tags_and_keeps_this_one(
-    client: docker.DockerClient, sandbox: str, tmp_path: Path
+@pytest.fixture
+def owned_repository(client: docker.DockerClient) -> Iterator[str]:
+    """A repository name only this test uses; every tag made under it (or its neighbour) goes at teardown.
+    The real prune is never run here: on a shared engine it would remove other checkouts' images."""
+    repository = f"metaagent-test-prune-{uuid.uuid4().hex[:12]}"
+    yield repository
+    for image in client.images.list(filters={"label": IMAGE_LABEL}):
+        for tag in image.tags:
+            if tag.startswith((f"{repository}:", f"{repository}-")):
+                with contextlib.suppress(docker.errors.NotFound):
+                    client.images.remove(tag)
+
+
+def test_prune_removes_the_repositorys_other_tags_and_keeps_the_current_one_and_other_repositories(
+    client: docker.DockerClient, sandbox: str, owned_repository: str
 ) -> None:
-    stale = f"{IMAGE_REPOSITORY}:0.0.0-pruned-by-a-test"
-    client.images.get(sandbox).tag(stale)  # what a runner change leaves behind: another version's tag
-    result = run_cli(tmp_path, "sandbox", "prune")
-    assert result.returncode == 0, result.stderr
-    assert f"removed {stale}" in result.stdout
+    current, stale = f"{owned_repository}:0.1.0-current", f"{owned_repository}:0.0.0-stale"
+    neighbour = f"{owned_repository}-neighbour:0.0.0-stale"  # shares the name as a prefix, not the repository
+    image = client.images.get(sandbox)
+    for tag in (current, stale, neighbour):
+        image.tag(tag)  # what a runner change leaves behind: another version's tag
+    removed, in_use = prune_repository(client, owned_repository, current)
+    assert (removed, in_use) == ([stale], [])
     with pytest.raises(docker.errors.ImageNotFound):
         client.images.get(stale)
-    assert sandbox in client.images.get(sandbox).tags
+    assert {current, neighbour, sandbox} <= set(client.images.get(sandbox).tags)
