@@ -87,6 +87,7 @@ def test_the_tools_bound_files_at_one_mib_and_point_to_the_file_routes(sessions:
     assert f"GET /sessions/{session_id}/files/big.txt" in read_larger.json()["error"]
     assert write_larger.status_code == 413
     assert "PUT /sessions/" in write_larger.json()["error"]
+    assert read_exactly.status_code == 200, read_exactly.text
     assert read_exactly.json()["size"] == MIB
     assert "big2.bin" not in {f["path"] for f in tool(sessions, "session_files", session_id=session_id).json()["files"]}
 
@@ -145,3 +146,23 @@ async def test_workspace_files_are_mcp_resources_of_the_callers_sessions(session
     assert escaping.value.error.code == types.INVALID_PARAMS
     assert unknown.value.error.code == -32002
     assert "session_create" in unknown.value.error.message  # the hint names the tool, as over MCP
+
+
+@pytest.mark.parametrize("abandon", ["tool refusal", "client hang-up"])
+def test_a_read_abandoned_before_the_files_end_leaves_the_session_serving_the_next_request(
+    sessions: Sessions, abandon: str
+) -> None:
+    # The rest of the abandoned file still comes over the session's wire; the next request must not meet it.
+    session_id = sessions.create()
+    sessions.request("PUT", f"/sessions/{session_id}/files/big.bin", content=b"b" * (4 * MIB))
+    sessions.request("PUT", f"/sessions/{session_id}/files/small.txt", content=b"small")
+    for _ in range(3):
+        if abandon == "tool refusal":  # over 1 MiB: refused once its size is known, its bytes unread
+            assert tool(sessions, "session_read_file", session_id=session_id, path="big.bin").status_code == 400
+        else:
+            url = f"{sessions.service.base_url}/sessions/{session_id}/files/big.bin"
+            with httpx2.stream("GET", url, timeout=120) as response:
+                next(response.iter_bytes())  # the first piece only, then hang up
+        small = sessions.request("GET", f"/sessions/{session_id}/files/small.txt")
+        assert (small.status_code, small.content) == (200, b"small"), small.text
+    assert sessions.run(session_id, "1 + 1")["result"] == "2"

@@ -136,6 +136,7 @@ class _DownloadStream:
         self.send, self.receive = anyio.create_memory_object_stream[bytes | None](_DOWNLOAD_BUFFER_FRAMES)
         self.abandoned = False
         self.cut = anyio.Event()
+        self.finished = anyio.Event()  # the file's last frame came: the wire carries no more of it
 
     def end(self) -> None:
         """No more bytes: the reader drops what comes (a send it waits in returns at once) and the
@@ -143,6 +144,7 @@ class _DownloadStream:
         self.abandoned = True
         self.send.close()
         self.cut.set()
+        self.finished.set()
 
 
 class SessionContainer:
@@ -358,6 +360,7 @@ class SessionContainer:
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                     await download.send.send(None)
             download.send.close()
+            download.finished.set()
 
     # --- requests ---
 
@@ -548,8 +551,15 @@ class SessionContainer:
                 download.receive.close()
 
         async def close() -> None:
+            """Stops taking the bytes, and returns once the rest of the file has gone by on the wire
+            (dropped as it comes): until then the session is not free for its next request, whose
+            frames would otherwise meet the tail of this one."""
             download.abandoned = True
             download.receive.close()
+            with anyio.move_on_after(self.file_timeout_s):
+                await first_of(download.finished, self.ended)
+            if not download.finished.is_set() and not self.ended.is_set():
+                await self.kill("timeout")  # a container that stops sending the file ends its session
 
         return Download(download.size, download.modified_at, chunks(), close, download.cut)
 
