@@ -4,7 +4,6 @@ function calling (`POST /tools/{name}`) and MCP, against the real engine and loc
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -145,6 +144,6 @@ def test_a_session_call_with_a_value_other_than_the_sessions_is_a_422_naming_it(
     assert "256" in response.json()["error"]  # the session's own value
 
 
-def test_the_strict_calls_here_cover_every_tool(tmp_path: Path) -> None:
+def test_the_strict_calls_here_cover_every_tool() -> None:
     called = {name for name, _ in strict_calls("http://127.0.0.1:9")} | {name for name, _ in session_calls("ses_x")}
     assert called == {spec.name for spec in TOOLS}
