@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -84,6 +85,16 @@ def running_upstream() -> Iterator[str]:
 def upstream() -> Iterator[str]:
     with running_upstream() as url:
         yield url
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """Two connected sockets: the service's end (non-blocking) and a stand-in container's end."""
+    service_end, container_end = socket.socketpair()
+    service_end.setblocking(False)
+    yield service_end, container_end
+    service_end.close()
+    container_end.close()
 
 
 def make_settings(tmp_path: Path, **overrides: Any) -> Settings:

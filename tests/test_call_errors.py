@@ -21,15 +21,6 @@ from tests.test_session_container_hostile import FakeEngine, frame, hostile_writ
 pytestmark = [pytest.mark.security]
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    service_end, container_end = socket.socketpair()
-    service_end.setblocking(False)
-    yield service_end, container_end
-    service_end.close()
-    container_end.close()
-
-
 GENERIC = "The call threw an error that the session could not describe; stderr shows what it printed"
 
 

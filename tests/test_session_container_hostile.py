@@ -61,15 +61,6 @@ def frame(kind: bytes, payload: bytes) -> bytes:
 READY = frame(wire.REPLY, b'{"id": 0, "status": "ready"}')
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    service_end, container_end = socket.socketpair()
-    service_end.setblocking(False)
-    yield service_end, container_end
-    service_end.close()
-    container_end.close()
-
-
 def hostile_writer(container_end: socket.socket, chunks: Callable[[], Iterator[bytes]]) -> threading.Thread:
     def write() -> None:
         try:
