@@ -19,6 +19,7 @@ import mcp.types as types
 
 from metaagent.errors import RequestRefused
 from metaagent.sessions.file_tools import read_bytes
+from metaagent.sessions.paths import checked_path
 from metaagent.sessions.service import Sessions
 from metaagent.tenancy import Caller
 
@@ -41,7 +42,7 @@ async def read(sessions: Sessions, uri: str, caller: Caller) -> types.ReadResour
     except UnicodeDecodeError:
         raise RequestRefused(f"The path of {uri!r} is not valid UTF-8 once percent-decoded") from None
     session_id = match["session_id"]
-    data = await read_bytes(sessions, session_id, path, caller, reader="a resource read")
+    data = await read_bytes(sessions, session_id, checked_path(path), caller, reader="a resource read")
     mime = mimetypes.guess_type(path.rsplit("/", 1)[-1])[0]
     contents: types.TextResourceContents | types.BlobResourceContents
     try:

@@ -38,8 +38,7 @@ async def list_files(sessions: Sessions, request: SessionFilesRequest, caller: C
 
 async def read_bytes(sessions: Sessions, session_id: str, path: str, caller: Caller, *, reader: str) -> bytes:
     """The bytes of a workspace file of at most `MAX_TOOL_FILE_BYTES` (`reader` names the tool or face that
-    asks, for the refusal); `path` is checked here."""
-    path = checked_path(path)
+    asks, for the refusal); `path` was checked by the caller (`checked_path`)."""
     async with sessions.read_file(session_id, path, caller) as download:
         if download.size > MAX_TOOL_FILE_BYTES:
             raise RequestRefused(
@@ -60,8 +59,8 @@ async def read_bytes(sessions: Sessions, session_id: str, path: str, caller: Cal
 
 
 async def read_file(sessions: Sessions, request: SessionReadFileRequest, caller: Caller) -> FileContent:
-    data = await read_bytes(sessions, request.session_id, request.path, caller, reader="session_read_file")
     path = checked_path(request.path)
+    data = await read_bytes(sessions, request.session_id, path, caller, reader="session_read_file")
     if request.encoding == "base64":
         content = base64.b64encode(data).decode("ascii")
     else:
