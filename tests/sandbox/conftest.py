@@ -272,6 +272,16 @@ class Sessions:
     def close(self, session_id: str) -> httpx2.Response:
         return self.request("DELETE", f"/sessions/{session_id}")
 
+    def running_call(self, session_id: str) -> str:
+        """The execution id of the session's running call, once `GET /executions` lists it."""
+        for _ in range(200):
+            running = self.request("GET", "/executions").json()["executions"]
+            execution = next((e for e in running if e.get("session_id") == session_id), None)
+            if execution:
+                return str(execution["execution_id"])
+            time.sleep(0.05)
+        raise AssertionError(f"no running call of session {session_id} was listed")
+
 
 @pytest.fixture
 def sessions(sandbox_service: Service) -> Iterator[Sessions]:

@@ -134,15 +134,7 @@ def test_a_call_killed_through_executions_says_killed(sessions: Sessions) -> Non
     sid = sessions.create()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         call = pool.submit(sessions.run, sid, "while (true) {}", 60)
-        execution = None
-        for _ in range(200):
-            running = sessions.request("GET", "/executions").json()["executions"]
-            execution = next((e for e in running if e.get("session_id") == sid), None)
-            if execution:
-                break
-            time.sleep(0.05)
-        assert execution is not None
-        sessions.request("DELETE", f"/executions/{execution['execution_id']}")
+        sessions.request("DELETE", f"/executions/{sessions.running_call(sid)}")
         answer = call.result(timeout=60)
     assert (answer["killed"], answer["session_ended"], answer["error"]["name"]) == (True, False, "Killed")
 

@@ -210,15 +210,7 @@ def test_a_running_call_is_listed_and_deleting_it_interrupts_it_without_ending_t
     sessions.run(sid, "let still = 'here'")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         call = pool.submit(sessions.run, sid, "while (true) {}", 60)
-        execution = None
-        for _ in range(200):
-            running = sessions.request("GET", "/executions").json()["executions"]
-            execution = next((e for e in running if e.get("session_id") == sid), None)
-            if execution:
-                break
-            time.sleep(0.05)
-        assert execution is not None
-        sessions.request("DELETE", f"/executions/{execution['execution_id']}")
+        sessions.request("DELETE", f"/executions/{sessions.running_call(sid)}")
         result = call.result(timeout=60)
     assert result["killed"] is True
     assert result["session_ended"] is False
