@@ -38,6 +38,7 @@ from pathlib import Path, PurePosixPath
 
 import docker
 
+from metaagent.languages.javascript.image import RUNNER_PATH
 from metaagent.languages.language import ImageBuildError
 from metaagent.languages.rootfs import (
     GROUP,
@@ -62,6 +63,7 @@ __all__ = [
     "build_python_image",
     "prune_python_images",
     "python_image_tag",
+    "python_runner_command",
 ]
 
 PYTHON_IMAGE_REPOSITORY = "metaagent-sandbox-python"
@@ -76,6 +78,7 @@ BOOTSTRAP_PACKAGES = (
     "python3-scipy",
     "dumb-init",
     "fonts-dejavu-core",
+    "nodejs",  # the session supervisor (sandbox/runner/supervisor.js) is the same in every language
 )
 PROGRAMS = (f"/usr/bin/python{PYTHON_VERSION}", "/usr/bin/python3", "/usr/bin/dumb-init")
 STDLIB = f"/usr/lib/python{PYTHON_VERSION}"
@@ -139,6 +142,25 @@ SMOKE_TEST = (
     "print(numpy.__version__, pandas.__version__, scipy.__version__, matplotlib.__version__)\n"
 )
 _LDD_BATCH = 64
+
+# The Python runner's files (`runner/`), and where the image carries them. The container's first process is
+# the trusted runner of every language (`sandbox/runner/runner.js`, on node): in a Python container it
+# starts `PYTHON_PROGRAM` as its child at once, so that a warm container holds a Python that has
+# imported numpy, pandas and matplotlib, and then relays a one-shot run to it or becomes a session's
+# supervisor with it as the session's program. The supervisor and its wire are one program in every
+# language; what is Python's is the child.
+PYTHON_RUNNER_DIR = Path(__file__).parent / "runner"
+PYTHON_RUNNER_PATH = "/opt/metaagent/python/runner.py"
+PYTHON_PROGRAM = (f"/usr/bin/python{PYTHON_VERSION}", "-I", "-S", PYTHON_RUNNER_PATH)
+# node's heap in a Python container: it only relays bytes and runs the supervisor, never user code.
+SUPERVISOR_HEAP_MB = 48
+
+
+def python_runner_command(memory_mb: int) -> list[str]:
+    """The container's command: node's trusted runner with the Python program as its child. The program's
+    memory is bounded by the container's limit (`memory_mb`); node's heap is bounded by its own."""
+    del memory_mb  # the container's limit bounds Python; node's heap is fixed
+    return ["/usr/bin/node", f"--max-old-space-size={SUPERVISOR_HEAP_MB}", RUNNER_PATH, "--program", *PYTHON_PROGRAM]
 
 
 def _recipe() -> dict[str, object]:
