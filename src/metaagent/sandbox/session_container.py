@@ -38,6 +38,7 @@ from metaagent.executions import Execution
 from metaagent.sandbox import session_wire as wire
 from metaagent.sandbox.engine import Engine, EngineUnavailable
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Prepared, first_of
+from metaagent.sandbox.figures import NO_FIGURES, Figures, checked_figures
 from metaagent.sandbox.output import CappedBuffer, OutputListener, OutputSink, Stream
 
 log = logging.getLogger("metaagent.session")
@@ -95,6 +96,7 @@ class CallOutcome:
     result_bytes: int = 0
     result_incomplete: bool = False  # the runner says the result is not the whole value, though it fits
     thrown: object = None  # what the call threw, as the container describes it: unchecked (the service checks it)
+    figures: Figures = NO_FIGURES  # the figures the call showed (checked)
     timed_out: bool = False
     killed: bool = False
     ended: str | None = None  # the session's end reason, when the call ended it
@@ -460,6 +462,7 @@ class SessionContainer:
             result_bytes=result_bytes if type(result_bytes) is int and result_bytes >= 0 else 0,
             result_incomplete=message.get("result_incomplete") is True,
             thrown=message.get("error") if status == "threw" else None,
+            figures=checked_figures(message.get("images"), message.get("images_truncated")),
             timed_out=timed_out and status == "interrupted",
             killed=killed and status == "interrupted",
         )

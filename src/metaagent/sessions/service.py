@@ -61,6 +61,7 @@ from metaagent.sessions.models import (
     FileInfo,
     FileList,
     FileWritten,
+    ImageOut,
     SessionClosed,
     SessionCreateRequest,
     SessionEnding,
@@ -712,6 +713,8 @@ def _response(
         result=result,
         result_truncated=truncated,
         error=error,
+        images=[ImageOut(mime="image/png", data=data) for data in outcome.figures.images],
+        images_truncated=outcome.figures.truncated,
         session_ended=flags.ended,
     )
 

@@ -22,19 +22,30 @@
 
 const Module = require('module');
 const { Buffer } = require('buffer');
+
+// `runner.js --program <command...>`: the container runs that language's program (program.js) as this
+// process's child, and no user code ever runs in this process; without it, JavaScript runs here.
+const PROGRAM_FLAG = process.argv.indexOf('--program');
+const PROGRAM_COMMAND = PROGRAM_FLAG === -1 ? null : process.argv.slice(PROGRAM_FLAG + 1);
+const RUNS_JAVASCRIPT = PROGRAM_COMMAND === null;
+
 // The program's stdio and the runner's own reads and writes of fds 0-2; loaded first, as it captures fs.
 const stdio = require('./stdio.js');
-// The module gate (gate.js, with policy.js and imports.js).
-const gate = require('./gate.js');
-// Egress through the execution's tunnel: it captures net and tls, which the gate refuses to user code.
-const egress = require('./egress.js');
-// The session's program loop (session.js; it loads fsgate.js and await.js when a session starts).
-const session = require('./session.js');
+// What JavaScript's code needs, loaded only where it runs here:
+// the module gate (gate.js, with policy.js and imports.js);
+const gate = RUNS_JAVASCRIPT ? require('./gate.js') : null;
+// egress through the execution's tunnel (it captures net and tls, which the gate refuses to user code);
+const egress = RUNS_JAVASCRIPT ? require('./egress.js') : null;
+// the session's program loop (session.js; it loads fsgate.js and await.js when a session starts).
+const session = RUNS_JAVASCRIPT ? require('./session.js') : null;
 // The session's supervisor (supervisor.js): the wire, the workspace's files, the program's output.
 const supervisor = require('./supervisor.js');
+// A language's program as this process's child (program.js): the other languages' containers.
+const program = require('./program.js');
 // Out of the CommonJS cache at once: require.cache leads to nothing of the runner's (as for the gate).
-delete Module._cache[require.resolve('./egress.js')];
-for (const file of ['./stdio.js', './session.js', './supervisor.js']) delete Module._cache[require.resolve(file)];
+for (const file of ['./egress.js', './stdio.js', './session.js', './supervisor.js', './program.js']) {
+  delete Module._cache[require.resolve(file)];
+}
 
 const processExit = process.exit.bind(process);
 const jsonParse = JSON.parse;
@@ -138,14 +149,15 @@ function readPayload() {
     if (size === 0) return badPayload(`stdin ended after ${received} of ${total} body bytes`);
     received += size;
   }
-  const code = body.subarray(0, header.codeBytes).toString('utf8');
+  const codeBytes = Buffer.from(body.subarray(0, header.codeBytes));
+  const code = codeBytes.toString('utf8');
   const stdinEnd = header.codeBytes + header.stdinBytes;
   const input = Buffer.from(body.subarray(header.codeBytes, stdinEnd)); // a copy: not sharing the code's memory
   let egressConfig = null;
   if (header.egress !== null) {
     egressConfig = { ...header.egress, extraCa: body.subarray(stdinEnd, total).toString('ascii') };
   }
-  return { session: header.session, program: header.program, code, input, egress: egressConfig, rest };
+  return { session: header.session, program: header.program, code, codeBytes, input, egress: egressConfig, rest };
 }
 
 // EGRESS: with network, node's http, https and fetch go through the execution's tunnel (egress.js).
@@ -174,11 +186,6 @@ function runUserModule(code) {
   userModule.loaded = true;
 }
 
-// Node and the gate are loaded: tell the host, which starts the execution's clock (and, for a warm
-// container, hands it out) only now. No user code exists yet, so no user code can forge this line.
-// The same bytes are RUNNER_READY in sandbox/execute.py.
-stdio.writeStderr('metaagent-runner: ready\n');
-
 // The header that starts a session's program: the session's own, in the program's role.
 function programHeader(egressConfig) {
   const header = { session: true, program: true };
@@ -192,9 +199,14 @@ function programHeader(egressConfig) {
   return Buffer.concat([Buffer.from(`${JSON.stringify(header)}\n`, 'utf8'), extraCa]);
 }
 
-const payload = readPayload();
-// A fresh macrotask, so the user's stack traces do not start inside the runner.
-defer(() => {
+// Node and the gate are loaded (and the program, when there is one): tell the host, which starts the
+// execution's clock (and, for a warm container, hands it out) only now. No user code exists yet, so no
+// user code can forge this line. The same bytes are RUNNER_READY in sandbox/execute.py.
+function ready() {
+  stdio.writeStderr('metaagent-runner: ready\n');
+}
+
+function serveJavaScript(payload) {
   if (payload.session && !payload.program) {
     supervisor.runSupervisor({ stdio, programHeader: programHeader(payload.egress), initial: payload.rest });
     return;
@@ -210,4 +222,33 @@ defer(() => {
   // the payload is read and before the user's module is compiled.
   gate.install({ unixSockets });
   runUserModule(payload.code);
-});
+}
+
+// Another language's program, started with the container and ready: the payload goes to it.
+function serveProgram(child, payload) {
+  if (payload.egress !== null) return badPayload('this language has no network here');
+  if (payload.program) return badPayload('program must not be given to this runner');
+  if (payload.session) {
+    supervisor.runSupervisor({ stdio, programHeader: programHeader(null), initial: payload.rest, program: child });
+    return undefined;
+  }
+  const header = Buffer.from(`${JSON.stringify({ code_bytes: payload.codeBytes.length, stdin_bytes: payload.input.length })}\n`, 'utf8');
+  program.relayOnce(child, { stdio, header: Buffer.concat([header, payload.codeBytes, payload.input]) });
+  return undefined;
+}
+
+if (RUNS_JAVASCRIPT) {
+  ready();
+  const payload = readPayload();
+  // A fresh macrotask, so the user's stack traces do not start inside the runner.
+  defer(() => serveJavaScript(payload));
+} else {
+  program.startProgram(PROGRAM_COMMAND, {
+    stdio,
+    onReady: (child) => {
+      ready();
+      const payload = readPayload();
+      defer(() => serveProgram(child, payload));
+    },
+  });
+}

@@ -24,7 +24,8 @@
 //   D {id, path}       delete a file
 //
 // To the program (its fd 0) go only `x` frames, each with a fresh token for its id; from it (its fd 3)
-// come only `r` answers {id, status, result, result_bytes, result_incomplete, error}, each checked here. Its stdout and stderr are raw bytes: this process frames them as they come, and of each output
+// come only `r` answers {id, status, result, result_bytes, result_incomplete, error, images, images_truncated},
+// each checked here. Its stdout and stderr are raw bytes: this process frames them as they come, and of each output
 // window (from one call's answer to the next's) forwards at most what the service keeps (its 50 KiB
 // and 25 KiB caps) and counts the rest, which the next answer reports (`stdout_skipped`,
 // `stderr_skipped`). So a program that floods its output, between calls or during one, costs the
@@ -37,11 +38,17 @@ const childProcess = require('child_process');
 const net = require('net');
 const crypto = require('crypto');
 const { Buffer } = require('buffer');
+// drainNow: reads what a pipe holds now, without waiting (the bytes the program wrote before its answer).
+const { drainNow, exitCodeOf } = require('./program.js');
 
 const WORKSPACE = '/workspace';
 const HEADER = 5;
 const MAX_INPUT_FRAME = 2 * 1024 * 1024; // a call's code (1 MiB) in JSON, with room
-const MAX_PROGRAM_FRAME = 1024 * 1024; // an answer: a 64 KiB result, JSON-escaped
+const MAX_PROGRAM_FRAME = 8 * 1024 * 1024; // an answer: a 64 KiB result JSON-escaped, and 4 MiB of images in base64
+const MAX_IMAGES = 8; // a call's figures: at most 8, of 4 MiB of PNG in all (the service checks again)
+const MAX_IMAGE_BYTES = 4 * 1024 * 1024;
+const PNG_SIGNATURE = Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]);
+const BASE64 = /^[A-Za-z0-9+/]*={0,2}$/;
 const CHUNK = 64 * 1024;
 const MAX_RESULT_BYTES = 64 * 1024; // the service keeps 50 KiB of it
 const MAX_ERROR_FIELD = 4096; // characters of a thrown error's name, message and stack (the service keeps 4 KiB)
@@ -91,6 +98,31 @@ function frame(type, payload) {
 
 const jsonFrame = (type, message) => frame(type, Buffer.from(JSON.stringify(message), 'utf8'));
 
+// The figures a call showed, as the program lists them: [{mime: 'image/png', data: <base64 of a PNG>}],
+// within MAX_IMAGES and MAX_IMAGE_BYTES. {images, truncated}: what breaks the rules is left out, and
+// then `truncated` says that something was.
+function checkedImages(images, truncated) {
+  const kept = [];
+  let total = 0;
+  let left = truncated === true;
+  if (images === undefined) return { images: kept, truncated: left };
+  if (!Array.isArray(images)) return { images: kept, truncated: true };
+  for (const image of images) {
+    const valid = image !== null && typeof image === 'object' && !Array.isArray(image)
+      && Object.keys(image).length === 2 && image.mime === 'image/png' && typeof image.data === 'string'
+      && image.data.length % 4 === 0 && BASE64.test(image.data);
+    const png = valid ? Buffer.from(image.data, 'base64') : null;
+    if (png === null || !png.subarray(0, PNG_SIGNATURE.length).equals(PNG_SIGNATURE)
+      || kept.length >= MAX_IMAGES || total + png.length > MAX_IMAGE_BYTES) {
+      left = true;
+      continue;
+    }
+    total += png.length;
+    kept.push({ mime: 'image/png', data: image.data });
+  }
+  return { images: kept, truncated: left };
+}
+
 // Splits a byte stream into frames: feed(bytes) calls onFrame(type, payload) for each whole one, and
 // onBad(reason) once for a frame longer than `maxFrame`.
 function frameReader(maxFrame, onFrame, onBad) {
@@ -110,26 +142,10 @@ function frameReader(maxFrame, onFrame, onBad) {
   };
 }
 
-// Reads what a pipe holds now, without waiting: the bytes the program wrote before its answer.
-function drainNow(stream, onBytes) {
-  const fd = stream._handle && stream._handle.fd;
-  if (typeof fd !== 'number' || fd < 0) return;
-  const buffer = Buffer.alloc(CHUNK);
-  for (;;) {
-    let size;
-    try {
-      size = fs.readSync(fd, buffer, 0, CHUNK, null);
-    } catch {
-      return; // EAGAIN: empty for now
-    }
-    if (size === 0) return;
-    onBytes(Buffer.from(buffer.subarray(0, size)));
-  }
-}
-
 // `programHeader`: the bytes that start the program (its header line, and its CA bundle); `initial`:
-// what the service sent past this process's own header.
-function runSupervisor({ stdio, programHeader, initial }) {
+// what the service sent past this process's own header; `program`: a program already started and ready
+// (another language's, program.js), or none: this runner again, in its program role.
+function runSupervisor({ stdio, programHeader, initial, program: started }) {
   const send = (type, payload) => stdio.writeAll(stdio.STDOUT, frame(type, payload));
   const reply = (message) => stdio.writeAll(stdio.STDOUT, jsonFrame('r', message));
   const fail = (reason) => {
@@ -143,7 +159,7 @@ function runSupervisor({ stdio, programHeader, initial }) {
   process.on('SIGINT', () => {});
   process.on('SIGUSR1', () => {});
 
-  const program = childProcess.spawn(process.execPath, [...process.execArgv, process.argv[1]], {
+  const program = started || childProcess.spawn(process.execPath, [...process.execArgv, process.argv[1]], {
     stdio: ['pipe', 'pipe', 'pipe', 'pipe'],
     cwd: WORKSPACE,
     env: process.env,
@@ -157,7 +173,7 @@ function runSupervisor({ stdio, programHeader, initial }) {
   let window = { __proto__: null, o: 0, e: 0 };
   let skipped = { __proto__: null, o: 0, e: 0 };
   let preamble = Buffer.alloc(0); // the program's stderr until its ready line has been taken off
-  let programReady = false;
+  let programReady = started !== undefined; // a started program's ready line has been taken off
 
   // What is kept is sent in frames of whatever came within OUTPUT_FLUSH_MS (or CHUNK bytes), not one
   // frame per write: a program that writes a byte at a time costs the service no more frames than one
@@ -248,6 +264,11 @@ function runSupervisor({ stdio, programHeader, initial }) {
       const error = checkedError(message.error);
       if (error !== null) checked.error = error;
     }
+    if (message.images !== undefined || message.images_truncated !== undefined) {
+      const figures = checkedImages(message.images, message.images_truncated);
+      checked.images = figures.images;
+      checked.images_truncated = figures.truncated;
+    }
     // Whatever the program wrote before it answered belongs to this call: take it off the pipes first.
     drainNow(programStdout, (bytes) => output('o', bytes));
     drainNow(programStderr, stderrBytes);
@@ -272,12 +293,11 @@ function runSupervisor({ stdio, programHeader, initial }) {
 
   // The program's end is the session's: this process leaves with its code, once the output it left in
   // the pipes is read. (Not at 'close', which waits for every pipe's other end to be seen closed.)
-  const signals = require('os').constants.signals;
   program.on('exit', (code, signal) => {
     drainNow(programStdout, (bytes) => output('o', bytes));
     drainNow(programStderr, stderrBytes);
     flush();
-    process.exit(code !== null ? code : 128 + (signals[signal] || 9));
+    process.exit(exitCodeOf(code, signal));
   });
 
   function execute(id, code) {

@@ -1,0 +1,659 @@
+"""metaagent Python runner: the program in every Python container, a child of node's trusted runner.
+
+node's runner (/opt/metaagent/runner.js) starts this file as soon as the container starts, with pipes for
+its stdin, stdout, stderr and fd 3, and nothing else:
+
+    python3.11 -I -S /opt/metaagent/python/runner.py
+
+Here, in order: numpy, pandas, matplotlib (Agg) and scipy are imported, so that no call pays for them;
+the ready line goes out on stderr (node's runner waits for it, and only then tells the service that the
+container is ready); then the header comes on stdin, as node's runner protocol has it:
+
+    {"code_bytes": N, "stdin_bytes": M}\\n   one-shot: N bytes of code, then M bytes of the program's stdin
+    {"session": true, "program": true}\\n    a session's program: `x {id, code}` frames on fd 0 (one
+                                            type byte, a 32-bit big-endian length, the JSON), answers as
+                                            `r {...}` frames on fd 3, stdout and stderr raw
+
+Then the gate (the audit hook below) is installed, and only then does any user code exist. One-shot code
+runs as `__main__` and exits as `python3 main.py` would (an uncaught exception prints its traceback and
+exits 1). A session keeps one namespace across calls; an interrupt is SIGINT (KeyboardInterrupt).
+
+Nothing this process sends is trusted: node's supervisor checks every answer and frames every output
+byte, and the container (gVisor where it runs) is the boundary. The gate is defence in depth that makes
+refusals legible (PYTHON_HARDENING.md; SECURITY.md has the table of what it stops and what only the
+container stops).
+"""
+
+import sys
+
+sys.path.append("/usr/lib/python3/dist-packages")  # -S leaves Debian's dist-packages off the path
+
+import ast
+import asyncio
+import base64
+import builtins
+import errno
+import io
+import json
+import linecache
+import os
+import posix
+import signal
+import traceback
+import types
+
+os.environ["MPLCONFIGDIR"] = "/tmp/matplotlib"  # the font cache: /tmp is the only writable place
+os.environ["MPLBACKEND"] = "Agg"
+
+import matplotlib
+import matplotlib.pyplot as pyplot
+import numpy  # noqa: F401
+import pandas  # noqa: F401
+
+# scipy's subpackages import ctypes as they load (scipy._lib._ccallback, scipy.stats), and ctypes is
+# refused once the gate holds: they load here (0.25 s of CPU and 40 MB a container, measured).
+import scipy.integrate
+import scipy.interpolate
+import scipy.io
+import scipy.linalg
+import scipy.optimize
+import scipy.signal
+import scipy.sparse
+import scipy.special
+import scipy.stats  # noqa: F401
+
+RUNNER_FILE = __file__
+ASYNCIO_DIR = os.path.dirname(asyncio.__file__) + "/"
+READY = b"metaagent-runner: ready\n"  # RUNNER_READY in sandbox/execute.py
+EXIT_BAD_PAYLOAD = 70
+HEADER = 5
+MAX_HEADER_BYTES = 1024
+MAX_INPUT_FRAME = 2 * 1024 * 1024  # a call's code (1 MiB) in JSON, with room
+ANSWERS = 3
+MAX_RESULT_BYTES = 64 * 1024  # the service keeps 50 KiB of it
+MAX_ERROR_FIELD = 4096
+MAX_IMAGES = 8
+MAX_IMAGE_BYTES = 4 * 1024 * 1024  # of PNG, all of a call's images together
+WORKSPACE = "/workspace"
+USER_FILENAME = "/app/main.py"
+
+# What the gate lets code read besides where it may write: the interpreter's own libraries and data.
+LIBRARY_ROOTS = (
+    "/usr/lib/python3.11",
+    "/usr/lib/python3/dist-packages",
+    "/usr/share/matplotlib",
+    "/usr/share/fonts",
+    "/usr/share/zoneinfo",
+    "/etc/matplotlibrc",
+    "/etc/localtime",
+)
+DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
+# Modules that give native code, new processes or a second interpreter (whose audit hooks are its own):
+# refused when imported by any dotted name (foo._ctypes too), and dropped from sys.modules so that an
+# `import` reaches the gate even where a library imported them first.
+REFUSED_MODULES = frozenset(
+    {
+        "ctypes",
+        "_ctypes",
+        "_posixsubprocess",
+        "readline",
+        "pty",
+        "_testcapi",
+        "_testinternalcapi",
+        "_xxsubinterpreters",
+        "_xxinterpchannels",
+        "_tkinter",
+    }
+)
+
+
+PROCESS_EVENTS = (
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.fork",
+    "os.forkpty",
+    "subprocess.Popen",
+    "pty.spawn",
+    "os.startfile",
+)
+INTROSPECTION_EVENTS = (
+    "gc.get_objects",
+    "gc.get_referrers",
+    "gc.get_referents",
+    "sys.addaudithook",
+    "sys.settrace",
+    "sys.setprofile",
+    "sys._current_frames",
+)
+PATH_WRITE_EVENTS = ("os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.utime", "os.truncate")
+# Every event the gate looks at (besides socket.* and ctypes.*); the others cost it one set lookup.
+HANDLED_EVENTS = frozenset(
+    {
+        "open",
+        "import",
+        "os.listdir",
+        "os.scandir",
+        "os.rename",
+        "os.link",
+        "os.symlink",
+        "os.kill",
+        "os.killpg",
+        "urllib.Request",
+        *PROCESS_EVENTS,
+        *INTROSPECTION_EVENTS,
+        *PATH_WRITE_EVENTS,
+    }
+)
+
+
+# --- the gate -------------------------------------------------------------------------------------------
+
+
+def make_gate(write_roots):
+    """The audit hook of this process (PEP 578): installed before any user code exists and, like every
+    audit hook, unremovable from Python. It holds no mutable state and calls nothing user code can
+    replace: every callable it uses is bound here as a default argument, policy is tuples and frozensets
+    of exact strings, and an argument counts only if its type is exactly str, bytes or int (no method of
+    an argument runs). It has no try/except: an error inside it refuses the operation."""
+    read_roots = (*write_roots, *LIBRARY_ROOTS)
+
+    def gate(
+        event,
+        args,
+        *,
+        _type=type,
+        _str=str,
+        _bytes=bytes,
+        _int=int,
+        _len=len,
+        _tuple=tuple,
+        _startswith=str.startswith,
+        _split=str.split,
+        _join=str.join,
+        _decode=bytes.decode,
+        _getcwd=posix.getcwd,
+        _getpid=posix.getpid,
+        _permission=PermissionError,
+        _import_error=ImportError,
+        _eacces=errno.EACCES,
+        _eperm=errno.EPERM,
+        _write_roots=write_roots,
+        _read_roots=read_roots,
+        _devices=DEVICES,
+        _refused_modules=REFUSED_MODULES,
+        _write_flags=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
+        _library_roots=LIBRARY_ROOTS,
+        _handled=HANDLED_EVENTS,
+        _process_events=PROCESS_EVENTS,
+        _introspection_events=INTROSPECTION_EVENTS,
+        _path_write_events=PATH_WRITE_EVENTS,
+        _dotdot="ERR_METAAGENT_PATH_REFUSED: a relative path with '..' is refused here; use an absolute path",
+    ):
+        if event not in _handled and not _startswith(event, "socket.") and not _startswith(event, "ctypes."):
+            return
+
+        # The path an event names, made absolute against the real cwd and normalised lexically ('.' and
+        # '..' resolved, no symlink followed: the program can only make symlinks through os.symlink,
+        # whose target is checked below). None for an open file descriptor.
+        def checked_path(path, writing):
+            if _type(path) is _int:
+                return None
+            if _type(path) is _bytes:
+                path = _decode(path, "utf-8", "surrogateescape")
+            if _type(path) is not _str:
+                raise _permission(_eacces, "ERR_METAAGENT_PATH_REFUSED: a path must be a str or bytes here")
+            relative = not _startswith(path, "/")
+            parts = []
+            for part in _split(path, "/"):
+                if part == "" or part == ".":
+                    continue
+                if part == "..":
+                    if relative:  # its base may be a dir_fd, which the event does not name
+                        raise _permission(_eacces, _dotdot, path)
+                    if parts:
+                        parts.pop()
+                    continue
+                parts.append(part)
+            if relative:
+                parts = [part for part in _split(_getcwd(), "/") if part != ""] + parts
+            absolute = "/" + _join("/", parts)
+            if absolute in _devices:
+                return absolute
+            roots = _write_roots if writing else _read_roots
+            for root in roots:
+                if absolute == root or _startswith(absolute, root + "/"):
+                    return absolute
+            where = " and ".join(_write_roots)
+            if writing:
+                rule = f"files can be written only in {where}"
+            else:
+                rule = f"files can be read only in {where} and the interpreter's own libraries"
+            raise _permission(_eacces, f"ERR_METAAGENT_PATH_REFUSED: {rule}", absolute)
+
+        if event == "open":
+            path, mode, flags = args
+            writing = False
+            if _type(flags) is _int and flags & _write_flags:
+                writing = True
+            if _type(mode) is _str:
+                for letter in mode:
+                    if letter in "wax+":
+                        writing = True
+            checked_path(path, writing)
+            return
+        if event == "import":
+            name, filename = args[0], args[1]
+            if _type(name) is not _str:
+                raise _import_error("ERR_METAAGENT_BLOCKED_MODULE: an import by a name that is not a str")
+            for part in _split(name, "."):
+                if part in _refused_modules:
+                    raise _import_error(
+                        f"ERR_METAAGENT_BLOCKED_MODULE: the module {name!r} is refused in this sandbox "
+                        "(native code or new processes); compute with the standard library, numpy, pandas "
+                        "or scipy instead",
+                        name=name,
+                    )
+            if filename is not None:
+                if _type(filename) is not _str:
+                    raise _import_error("ERR_METAAGENT_BLOCKED_MODULE: an import from a path that is not a str")
+                if ".so" in filename:  # native code loads only from the interpreter's own libraries
+                    for root in _library_roots:
+                        if _startswith(filename, root + "/"):
+                            return
+                    raise _import_error(
+                        f"ERR_METAAGENT_BLOCKED_MODULE: native modules load only from the interpreter's "
+                        f"libraries, not {filename!r}",
+                        name=name,
+                    )
+                checked_path(filename, False)
+            return
+        if event in ("os.listdir", "os.scandir"):
+            checked_path(args[0] if _len(args) and args[0] is not None else ".", False)
+            return
+        if event in _path_write_events:
+            checked_path(args[0], True)
+            return
+        if event == "os.rename":
+            checked_path(args[0], True)
+            checked_path(args[1], True)
+            return
+        if event == "os.link" or event == "os.symlink":
+            source, target = args[0], args[1]
+            if args[2:] != (None,) * (_len(args) - 2):
+                raise _permission(_eperm, f"ERR_METAAGENT_BLOCKED_API: {event} with dir_fd is refused here")
+            checked_path(target, True)
+            if event == "os.symlink" and _type(source) in (_str, _bytes) and _type(target) in (_str, _bytes):
+                # The link's target, resolved where the link will be, must be somewhere code may write.
+                if _type(source) is _bytes:
+                    source = _decode(source, "utf-8", "surrogateescape")
+                if _type(target) is _bytes:
+                    target = _decode(target, "utf-8", "surrogateescape")
+                if not _startswith(source, "/"):
+                    folder = _join("/", _split(target, "/")[:-1]) or "."
+                    source = folder + "/" + source
+            checked_path(source, True)
+            return
+        if event == "os.kill" or event == "os.killpg":
+            if event == "os.kill" and args[0] == _getpid():
+                return
+            raise _permission(_eperm, f"ERR_METAAGENT_BLOCKED_API: {event} is refused here: signal only this process")
+        if event == "socket.__new__":
+            if _len(args) > 1 and args[1] == 1:  # AF_UNIX: socketpair, which asyncio's event loop needs
+                return
+            raise _permission(
+                _eperm, "ERR_METAAGENT_BLOCKED_API: socket.__new__ is refused: this execution has no network"
+            )
+        if event == "socket.gethostname":
+            return
+        if _startswith(event, "socket.") or event == "urllib.Request":
+            raise _permission(_eperm, f"ERR_METAAGENT_BLOCKED_API: {event} is refused: this execution has no network")
+        if event in _process_events:
+            raise _permission(
+                _eperm,
+                f"ERR_METAAGENT_BLOCKED_API: {event} is refused: code runs in one process here, with no "
+                "programs to start; compute in Python instead",
+            )
+        if _startswith(event, "ctypes."):
+            raise _permission(_eperm, f"ERR_METAAGENT_BLOCKED_API: {event} is refused: no native code here")
+        if event in _introspection_events:
+            raise _permission(_eperm, f"ERR_METAAGENT_BLOCKED_API: {event} is refused in this sandbox")
+
+    return gate
+
+
+def lock(write_roots):
+    """From here on, the gate holds. The modules it refuses are dropped from sys.modules, so that an
+    import of them reaches it even where a library imported them first."""
+    for name in list(sys.modules):
+        if name.split(".")[-1] in REFUSED_MODULES:
+            del sys.modules[name]
+    import subprocess
+
+    subprocess._fork_exec = refused_fork_exec  # what Popen would call, reached past Popen's event
+    subprocess._posixsubprocess = None
+    sys.addaudithook(make_gate(tuple(write_roots)))
+
+
+def refused_fork_exec(*_args, **_kwargs):
+    raise PermissionError(errno.EPERM, "ERR_METAAGENT_BLOCKED_API: subprocess.Popen is refused here")
+
+
+# --- bytes in and out ----------------------------------------------------------------------------------
+
+
+def write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def bad_payload(reason):
+    write_all(2, f"metaagent-runner: bad payload: {reason}\n".encode())
+    os._exit(EXIT_BAD_PAYLOAD)
+
+
+class Input:
+    """fd 0, read in counted pieces: a header line, then frames or a body of known size."""
+
+    def __init__(self):
+        self.pending = b""
+
+    def fill(self):
+        chunk = os.read(0, 65536)
+        self.pending += chunk
+        return len(chunk) > 0
+
+    def line(self):
+        while b"\n" not in self.pending[: MAX_HEADER_BYTES + 1]:
+            if len(self.pending) > MAX_HEADER_BYTES:
+                bad_payload(f"no header line in the first {MAX_HEADER_BYTES} bytes")
+            if not self.fill():
+                bad_payload("stdin ended before the header line")
+        line, _, self.pending = self.pending.partition(b"\n")
+        return line
+
+    def exactly(self, size, what):
+        while len(self.pending) < size:
+            if not self.fill():
+                bad_payload(f"stdin ended within {what}")
+        data, self.pending = self.pending[:size], self.pending[size:]
+        return data
+
+    def frame(self):
+        """(type, payload) of the next frame; None once the supervisor has closed stdin."""
+        while len(self.pending) < HEADER:
+            if not self.fill():
+                return None
+        length = int.from_bytes(self.pending[1:HEADER], "big")
+        if length > MAX_INPUT_FRAME:
+            bad_payload(f"a frame of {length} bytes")
+        head = self.exactly(HEADER + length, "a frame")
+        return chr(head[0]), head[HEADER:]
+
+
+def read_header(source):
+    try:
+        header = json.loads(source.line())
+    except ValueError as exc:
+        bad_payload(f"header is not JSON ({exc})")
+    if not isinstance(header, dict):
+        bad_payload("header is not a JSON object")
+    if header == {"session": True, "program": True}:
+        return None
+    if set(header) != {"code_bytes", "stdin_bytes"}:
+        bad_payload(f"unexpected header fields {sorted(header)}")
+    for key in ("code_bytes", "stdin_bytes"):
+        if type(header[key]) is not int or header[key] < 0:
+            bad_payload(f"{key} must be a non-negative integer")
+    return header
+
+
+def text_stream(fd, errors):
+    """A stream on fd `fd` that writes through at every newline and at every flush (its output is
+    streamed to the caller as it comes)."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", errors=errors, line_buffering=True)
+
+
+# --- one-shot -------------------------------------------------------------------------------------------
+
+
+def run_once(source, header):
+    code = source.exactly(header["code_bytes"], "the code").decode("utf-8", "surrogateescape")
+    given = source.exactly(header["stdin_bytes"], "the program's stdin")
+    sys.stdin = io.TextIOWrapper(io.BytesIO(given), encoding="utf-8")
+    sys.argv = [USER_FILENAME]
+    main = types.ModuleType("__main__")
+    main.__file__ = USER_FILENAME
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    linecache.cache[USER_FILENAME] = (len(code), None, code.splitlines(True), USER_FILENAME)
+    lock(["/tmp"])
+    try:
+        compiled = compile(code, USER_FILENAME, "exec", dont_inherit=True)
+        exec(compiled, main.__dict__)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        sys.stderr.write(printed(exc))
+        sys.stderr.flush()
+        sys.exit(1)
+
+
+# --- sessions -------------------------------------------------------------------------------------------
+
+
+class Calls:
+    """The session's state: its namespace, the call that runs, the figures it has shown."""
+
+    def __init__(self):
+        self.count = 0
+        self.running = False
+        self.interrupted = False
+        self.images = []
+        self.image_bytes = 0
+        self.images_truncated = False
+        main = types.ModuleType("__main__")
+        main.__builtins__ = builtins
+        sys.modules["__main__"] = main
+        self.namespace = main.__dict__
+        self.loop = asyncio.new_event_loop()  # for top-level await; made before the gate (a socketpair)
+        asyncio.set_event_loop(self.loop)
+
+    def on_interrupt(self, _signum, _frame):
+        if self.running:
+            self.interrupted = True
+            raise KeyboardInterrupt
+
+    def show_figures(self, *_args, **_kwargs):
+        """pyplot.show: each open figure goes to the call's images, and is closed."""
+        for number in pyplot.get_fignums():
+            figure = pyplot.figure(number)
+            if len(self.images) >= MAX_IMAGES:
+                self.images_truncated = True
+            else:
+                buffer = io.BytesIO()
+                figure.savefig(buffer, format="png")
+                data = buffer.getvalue()
+                if self.image_bytes + len(data) > MAX_IMAGE_BYTES:
+                    self.images_truncated = True
+                else:
+                    self.image_bytes += len(data)
+                    self.images.append({"mime": "image/png", "data": base64.b64encode(data).decode("ascii")})
+            pyplot.close(figure)
+
+    def run(self, code):
+        self.count += 1
+        filename = f"<cell {self.count}>"
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        self.images, self.image_bytes, self.images_truncated = [], 0, False
+        self.interrupted = False
+        self.running = True
+        try:
+            try:
+                outcome = self._run(code, filename)
+            except KeyboardInterrupt as exc:
+                if self.interrupted:
+                    raise
+                outcome = self._threw(exc)
+            except SystemExit:
+                raise
+            except BaseException as exc:
+                outcome = self._threw(exc)
+            self.show_figures()  # what the call left open, shown as IPython's inline backend shows it
+        except KeyboardInterrupt:  # an interrupt while its value, error or figures were being shown
+            outcome = {"status": "interrupted"}
+        finally:
+            self.running = False
+        if self.images or self.images_truncated:
+            outcome["images"] = self.images
+            outcome["images_truncated"] = self.images_truncated
+        return outcome
+
+    def _run(self, code, filename):
+        flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        tree = compile(code, filename, "exec", flags | ast.PyCF_ONLY_AST, dont_inherit=True)
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        self._evaluate(compile(tree, filename, "exec", flags, dont_inherit=True))
+        if last is None:
+            return {"status": "ok", "result": None}
+        value = self._evaluate(compile(last, filename, "eval", flags, dont_inherit=True))
+        if value is None:
+            return {"status": "ok", "result": None}
+        self.namespace["_"] = value
+        return {"status": "ok", **shown(value)}
+
+    def _evaluate(self, code):
+        value = eval(code, self.namespace)  # the session's own code, in its sandbox
+        if code.co_flags & 0x80:  # CO_COROUTINE: top-level await
+            value = self.loop.run_until_complete(value)
+        return value
+
+    def _threw(self, exc):
+        text = printed(exc)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        try:
+            message = str(exc)
+        except BaseException:
+            message = "an error that cannot be shown"
+        name = type(exc).__name__
+        return {
+            "status": "threw",
+            "error": {"name": capped(name), "message": capped(message), "stack": capped(text)},
+        }
+
+
+def shown(value):
+    """The value as the session shows it: its repr, whole up to MAX_RESULT_BYTES."""
+    try:
+        text = repr(value)
+        if type(text) is not str:
+            raise TypeError("__repr__ returned a non-string")
+        incomplete = False
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        text = f"[the value cannot be shown: {capped(safe_str(exc))}]"
+        incomplete = True
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) > MAX_RESULT_BYTES:
+        return {"result": data[:MAX_RESULT_BYTES].decode("utf-8", "ignore"), "result_bytes": len(data)}
+    answer = {"result": data.decode("utf-8", "replace"), "result_bytes": len(data)}
+    if incomplete:
+        answer["result_incomplete"] = True
+    return answer
+
+
+def safe_str(exc):
+    try:
+        return str(exc)
+    except BaseException:
+        return "an error that cannot be shown"
+
+
+def capped(text):
+    return text[:MAX_ERROR_FIELD]
+
+
+def without_runner(tb):
+    """The traceback without the runner's frames and asyncio's (the calls' code is all the author wrote)."""
+    frames = []
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if filename != RUNNER_FILE and not filename.startswith(ASYNCIO_DIR):
+            frames.append(tb)
+        tb = tb.tb_next
+    rebuilt = None
+    for entry in reversed(frames):
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt
+
+
+def printed(exc):
+    """The exception as python3 prints an uncaught one, without the runner's frames."""
+    try:
+        return "".join(traceback.format_exception(type(exc), exc, without_runner(exc.__traceback__)))
+    except BaseException:
+        return f"{type(exc).__name__}: {safe_str(exc)}\n"
+
+
+def answer(message):
+    payload = json.dumps(message).encode("utf-8", "surrogatepass")
+    write_all(ANSWERS, bytes([ord("r")]) + len(payload).to_bytes(4, "big") + payload)
+
+
+def run_session(source):
+    os.chdir(WORKSPACE)
+    sys.stdin = io.StringIO("")
+    sys.argv = [""]
+    sys.path.insert(0, WORKSPACE)  # the session's own modules import, as from the cwd of `python3`
+    calls = Calls()
+    signal.signal(signal.SIGINT, calls.on_interrupt)
+
+    def show(*_args, **_kwargs):
+        """pyplot.show in a session: the open figures go to the call's images."""
+        calls.show_figures()
+
+    pyplot.show = show
+    lock([WORKSPACE, "/tmp"])
+    answer({"id": 0, "status": "ready"})
+    while True:
+        frame = source.frame()
+        if frame is None:
+            sys.exit(0)  # the supervisor closed stdin: the session is over
+        kind, payload = frame
+        if kind != "x":
+            bad_payload(f"unknown request type {kind!r}")
+        try:
+            request = json.loads(payload)
+            token, code = request["id"], request["code"]
+        except (ValueError, KeyError, TypeError):
+            bad_payload("a request that is not {id, code}")
+        outcome = calls.run(code)
+        stdout.flush()
+        stderr.flush()
+        answer({"id": token, **outcome})
+
+
+# --- start ----------------------------------------------------------------------------------------------
+
+stdout = sys.stdout = text_stream(1, "surrogateescape")
+stderr = sys.stderr = text_stream(2, "backslashreplace")
+matplotlib.rcParams["figure.max_open_warning"] = 0
+# The backend is chosen, and a figure drawn once, before any call: the first plot then costs only
+# itself (no font loading), and pyplot.show can be replaced for good (choosing the backend resets it).
+_figure = pyplot.figure()
+_figure.savefig(io.BytesIO(), format="png")
+pyplot.close(_figure)
+write_all(2, READY)
+_source = Input()
+_header = read_header(_source)
+if _header is None:
+    run_session(_source)
+else:
+    run_once(_source, _header)

@@ -1,0 +1,84 @@
+'use strict';
+// A language's program as a child of this runner: how a container runs a language other than
+// JavaScript (`--program <command...>` after runner.js, languages/python/image.py). The child starts
+// with the container, before any payload, so a warm container holds a program that has loaded its
+// libraries; this process tells the service it is ready only once the child is. Then, by the header:
+// - one-shot: the child gets the one-shot header, the code and the stdin, and its stdout and stderr are
+//   relayed to the container's as they come; this process leaves with the child's exit code;
+// - session: this process is the session's supervisor (supervisor.js) with the child as its program.
+// The child holds pipes to this process and nothing else, as a JavaScript session's program does.
+
+const childProcess = require('child_process');
+const fs = require('fs');
+const { Buffer } = require('buffer');
+
+const READY = Buffer.from('metaagent-runner: ready\n'); // what every runner writes first on stderr
+const CHUNK = 64 * 1024;
+const EXIT_BAD_PAYLOAD = 70;
+const signals = require('os').constants.signals;
+
+// Reads what a pipe holds now, without waiting (the bytes a program left when it exited).
+function drainNow(stream, onBytes) {
+  const fd = stream._handle && stream._handle.fd;
+  if (typeof fd !== 'number' || fd < 0) return;
+  const buffer = Buffer.alloc(CHUNK);
+  for (;;) {
+    let size;
+    try {
+      size = fs.readSync(fd, buffer, 0, CHUNK, null);
+    } catch {
+      return; // EAGAIN: empty for now
+    }
+    if (size === 0) return;
+    onBytes(Buffer.from(buffer.subarray(0, size)));
+  }
+}
+
+const exitCodeOf = (code, signal) => (code !== null ? code : 128 + (signals[signal] || 9));
+
+// Starts `command` with four pipes and calls onReady(program) once its stderr began with the ready
+// line; a program that says anything else first, or exits, has failed to start: what it said goes to
+// this process's stderr, and this process leaves (the service reports the failed start).
+function startProgram(command, { stdio, onReady }) {
+  const program = childProcess.spawn(command[0], command.slice(1), {
+    stdio: ['pipe', 'pipe', 'pipe', 'pipe'],
+    cwd: '/tmp', // the container's working directory; a session's program moves to /workspace itself
+    env: process.env,
+  });
+  program.stdin.on('error', () => {}); // EPIPE once the program is gone: its exit is told below
+  let said = Buffer.alloc(0);
+  const failed = (reason) => {
+    stdio.writeStderr(`metaagent-runner: the program did not start (${reason})\n`);
+    if (said.length > 0) stdio.writeAll(stdio.STDERR, said);
+    process.exit(EXIT_BAD_PAYLOAD);
+  };
+  const beforeReady = (bytes) => {
+    said = Buffer.concat([said, bytes]);
+    const seen = said.subarray(0, READY.length);
+    if (!READY.subarray(0, seen.length).equals(seen)) return failed('it wrote something else first');
+    if (said.length < READY.length) return undefined;
+    program.stderr.removeListener('data', beforeReady);
+    program.removeListener('exit', exitedEarly);
+    // A waiting program writes nothing more until it is given its header.
+    if (said.length > READY.length) return failed('it wrote past its ready line');
+    return onReady(program);
+  };
+  const exitedEarly = (code, signal) => failed(`it exited with ${exitCodeOf(code, signal)}`);
+  program.stderr.on('data', beforeReady);
+  program.on('exit', exitedEarly);
+  program.on('error', (error) => failed(error.message));
+}
+
+// One-shot: hands the program its payload and relays its output until it exits, then leaves with its code.
+function relayOnce(program, { stdio, header }) {
+  program.stdout.on('data', (bytes) => stdio.writeAll(stdio.STDOUT, bytes));
+  program.stderr.on('data', (bytes) => stdio.writeAll(stdio.STDERR, bytes));
+  program.on('exit', (code, signal) => {
+    drainNow(program.stdout, (bytes) => stdio.writeAll(stdio.STDOUT, bytes));
+    drainNow(program.stderr, (bytes) => stdio.writeAll(stdio.STDERR, bytes));
+    process.exit(exitCodeOf(code, signal));
+  });
+  program.stdin.end(header);
+}
+
+module.exports = Object.freeze({ __proto__: null, startProgram, relayOnce, drainNow, exitCodeOf });
