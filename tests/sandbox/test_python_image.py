@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import stat
 import tarfile
 from pathlib import Path
+from typing import cast
 
 import anyio
 import docker
@@ -15,13 +17,19 @@ import docker.errors
 import pytest
 
 from metaagent.executions import Execution, new_execution_id
+from metaagent.languages.javascript import image as javascript_image
+from metaagent.languages.language import ImageBuildError
 from metaagent.languages.python import image as python_image
-from metaagent.languages.python.image import PYTHON_IMAGE_REPOSITORY, build_python_image, python_image_tag
-from metaagent.languages.rootfs import IMAGE_LABEL
+from metaagent.languages.python.image import (
+    PYTHON_IMAGE_REPOSITORY,
+    build_python_image,
+    python_image_tag,
+)
+from metaagent.languages.rootfs import IMAGE_LABEL, runner_files
 from metaagent.sandbox.engine import OWNER_PID_LABEL, SERVICE_LABEL, ContainerSpec, Engine
 from metaagent.sandbox.execute import Outcome, execute
 from metaagent.sandbox.runtime import RUNC, RUNSC, Runtime
-from tests.sandbox.test_image import CACHE_DIR, exported_files
+from tests.sandbox.test_image import CACHE_DIR, Run, exported_files
 from tests.test_cli import run as run_cli
 
 pytestmark = pytest.mark.docker
@@ -104,6 +112,20 @@ def run_python(tag: str, code: str, runtime: Runtime, memory_mb: int = 512) -> O
     return anyio.run(go)
 
 
+def run_command(client: docker.DockerClient, tag: str, command: list[str]) -> Run:
+    """`command` in a container without network, with a read-only root, as uid 1001; removed in the end."""
+    container = client.containers.create(
+        tag, command=command, network_mode="none", read_only=True, cap_drop=["ALL"], mem_limit="256m"
+    )
+    try:
+        container.start()
+        status = container.wait(timeout=60)
+        stdout, stderr = (container.logs(stdout=out, stderr=not out).decode() for out in (True, False))
+        return Run(int(status["StatusCode"]), stdout, stderr)
+    finally:
+        container.remove(force=True)
+
+
 def runtimes_of(client: docker.DockerClient) -> list[Runtime]:
     registered = client.info().get("Runtimes", {})
     return [runtime for runtime in (RUNC, RUNSC) if runtime.name in registered]
@@ -135,6 +157,46 @@ def test_changing_the_recipe_changes_the_tag(monkeypatch: pytest.MonkeyPatch, na
     assert python_image_tag() == original  # the same recipe, the same tag
     monkeypatch.setattr(python_image, name, value)
     assert python_image_tag() != original
+
+
+def test_changing_a_trusted_runner_file_changes_the_tag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = python_image_tag()
+    runner_copy = tmp_path / "runner"
+    shutil.copytree(javascript_image.RUNNER_DIR, runner_copy)
+    monkeypatch.setattr(javascript_image, "RUNNER_DIR", runner_copy)
+    assert python_image_tag() == original
+    (runner_copy / "supervisor.js").write_text((runner_copy / "supervisor.js").read_text() + "\n// changed\n")
+    assert python_image_tag() != original
+
+
+def test_changing_adding_or_renaming_a_python_runner_file_changes_the_tag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "runner.py").write_text("print('one')\n")
+    monkeypatch.setattr(python_image, "PYTHON_RUNNER_DIR", tmp_path)
+    tags = [python_image_tag()]
+    (tmp_path / "runner.py").write_text("print('two')\n")
+    tags.append(python_image_tag())
+    (tmp_path / "wire.py").write_text("")
+    tags.append(python_image_tag())
+    (tmp_path / "wire.py").rename(tmp_path / "files.py")
+    tags.append(python_image_tag())
+    assert len(set(tags)) == len(tags)
+
+
+@pytest.mark.parametrize("folder", ["empty", "missing"])
+def test_building_without_the_python_runner_fails_before_the_engine_and_names_the_missing_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folder: str
+) -> None:
+    runner_dir = tmp_path / "runner"
+    if folder == "empty":
+        runner_dir.mkdir()
+    monkeypatch.setattr(python_image, "PYTHON_RUNNER_DIR", runner_dir)
+    python_image_tag()  # naming the image (prune does) needs no runner
+    no_engine = cast(docker.DockerClient, object())
+    with pytest.raises(ImageBuildError, match=f"the Python runner is missing: {runner_dir / 'runner.py'} does not"):
+        build_python_image(no_engine, cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_changing_the_debian_packages_changes_the_tag(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,10 +235,32 @@ def test_sandbox_build_builds_the_python_image_only_when_python_is_enabled(tmp_p
 # --- the image's file system --------------------------------------------------------------------------
 
 
-def test_python_image_has_only_python_and_dumb_init_as_programs(python_files: dict[str, tarfile.TarInfo]) -> None:
+def test_python_image_has_only_python_dumb_init_and_node_as_programs(python_files: dict[str, tarfile.TarInfo]) -> None:
     programs = {name for name in python_files if name.startswith(("usr/bin/", "usr/sbin/", "sbin/", "bin/"))}
-    assert programs == {"usr/bin/python3", "usr/bin/python3.11", "usr/bin/dumb-init"}
+    assert programs == {"usr/bin/python3", "usr/bin/python3.11", "usr/bin/dumb-init", "usr/bin/node"}
     assert "bin" not in python_files
+
+
+def test_python_image_carries_both_runners_read_only_and_of_nodes_files_only_its_builtins(
+    python_files: dict[str, tarfile.TarInfo],
+) -> None:
+    expected = {f"opt/metaagent/{p.name}" for p in javascript_image.trusted_runner_files()}
+    expected |= {f"opt/metaagent/python/{p.name}" for p in runner_files(python_image.PYTHON_RUNNER_DIR)}
+    assert {"opt/metaagent/runner.js", "opt/metaagent/python/runner.py"} <= expected
+    carried = {n for n, info in python_files.items() if n.startswith("opt/metaagent/") and not info.isdir()}
+    assert carried == expected
+    assert {python_files[n].mode & 0o7777 for n in carried} == {0o644}
+    assert python_files["opt/metaagent/python"].mode & 0o7777 == 0o755
+    # Of /usr/share/nodejs, only the built-in modules Debian's node loads from there at every start.
+    node_share = {n for n, info in python_files.items() if n.startswith("usr/share/nodejs/") and not info.isdir()}
+    assert node_share == {
+        "usr/share/nodejs/acorn/dist/acorn.js",
+        "usr/share/nodejs/acorn-walk/dist/walk.js",
+        "usr/share/nodejs/cjs-module-lexer/lexer.js",
+        "usr/share/nodejs/cjs-module-lexer/dist/lexer.js",
+        "usr/share/nodejs/undici/undici-fetch.js",
+    }
+    assert not any(n.startswith("etc/ssl") for n in python_files)
 
 
 def test_python_image_has_no_shell_pip_compiler_or_package_manager(python_files: dict[str, tarfile.TarInfo]) -> None:
@@ -210,6 +294,11 @@ def test_python_image_keeps_ctypes_and_the_agg_matplotlibrc(python_files: dict[s
 
 
 # --- python in a locked-down container ----------------------------------------------------------------
+
+
+def test_node_starts_in_the_python_image(docker_client: docker.DockerClient, python_tag: str) -> None:
+    run = run_command(docker_client, python_tag, ["/usr/bin/node", "-e", "console.log(1 + 1, process.getuid())"])
+    assert run == Run(0, "2 1001\n", "")
 
 
 def test_numpy_pandas_scipy_and_a_matplotlib_png_work_in_the_locked_down_container(

@@ -6,8 +6,9 @@ Nothing can be pulled on the machines this runs on, so each image is assembled h
 
 1. ``debootstrap`` a Debian minbase with the recipe's packages into a cache folder (`BootstrapRecipe`;
    once per package list: a completion marker makes later builds reuse it);
-2. the recipe copies out only what its runtime needs (`copy_in`, `shared_libraries`) and checks that no
-   shell, package manager or setuid/setgid file made it in (`check_rootfs`);
+2. the recipe copies out only what its runtime needs (`copy_in`, `shared_libraries`), adds its runner's
+   files (`runner_files`, `install_files`; the tag hashes them, `files_record`) and checks that no shell,
+   package manager or setuid/setgid file made it in (`check_rootfs`);
 3. that tree goes to the engine as a ``FROM scratch`` build context, labelled `IMAGE_LABEL` and run as
    uid `SANDBOX_UID` (`build_rootfs_image`). `prune_repository` removes a repository's other tags.
 
@@ -52,13 +53,17 @@ __all__ = [
     "build_rootfs_image",
     "check_rootfs",
     "copy_in",
+    "files_record",
     "inside",
+    "install_files",
     "log_progress",
     "make_dirs",
     "package_version",
     "prune_repository",
+    "require_file",
     "resolve_in_root",
     "run",
+    "runner_files",
     "shared_libraries",
 ]
 
@@ -106,6 +111,30 @@ def bootstrap_key(packages: tuple[str, ...]) -> str:
         "packages": list(packages),
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def runner_files(folder: Path) -> list[Path]:
+    """The files a runner folder holds (not its dot files or subfolders), by name; none if it is missing."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def require_file(files: list[Path], folder: Path, name: str, what: str) -> None:
+    """Fails the build unless `files` (of `folder`) holds `name`: `what` names the runner in the message."""
+    if not any(p.name == name for p in files):
+        raise ImageBuildError(f"{what} is missing: {folder / name} does not exist")
+
+
+def files_record(files: list[Path]) -> bytes:
+    """The names, sizes and contents of `files` as one byte string, for a tag's hash: a change of any file
+    (or a file more or less) changes it."""
+    record = bytearray()
+    for path in files:
+        data = path.read_bytes()
+        record += f"{path.name} {len(data)}\n".encode()
+        record += data
+    return bytes(record)
 
 
 def prune_repository(client: docker.DockerClient, repository: str, current: str) -> tuple[list[str], list[str]]:
@@ -397,6 +426,15 @@ def copy_in(
             shutil.copy2(src, dst)
     else:
         raise ImageBuildError(f"{path} in {source} is neither a file nor a folder")
+
+
+def install_files(rootfs: Path, files: list[Path], folder: PurePosixPath) -> None:
+    """Writes `files` (from the checkout) into `folder` of the root fs, mode 0644 (root's, once imported)."""
+    make_dirs(rootfs, folder)
+    for path in files:
+        dst = inside(rootfs, folder / path.name)
+        dst.write_bytes(path.read_bytes())
+        dst.chmod(0o644)
 
 
 LDD_LINE = re.compile(r"^\s*(?:(\S+)\s+=>\s+)?(\S+)(?:\s+\(0x[0-9a-f]+\))?\s*$")

@@ -35,12 +35,16 @@ from metaagent.languages.rootfs import (
     build_rootfs_image,
     check_rootfs,
     copy_in,
+    files_record,
     inside,
+    install_files,
     log_progress,
     make_dirs,
     package_version,
     prune_repository,
+    require_file,
     run,
+    runner_files,
     shared_libraries,
 )
 
@@ -55,6 +59,7 @@ __all__ = [
     "image_tag",
     "prune_images",
     "runner_command",
+    "trusted_runner_files",
 ]
 
 
@@ -107,20 +112,16 @@ _TREES = ("/usr/share/nodejs", "/etc/ssl/certs/ca-certificates.crt")
 # --- naming -------------------------------------------------------------------------------------------
 
 
-def _runner_files() -> list[Path]:
-    files = sorted(p for p in RUNNER_DIR.iterdir() if p.is_file() and not p.name.startswith("."))
-    if not any(p.name == PurePosixPath(RUNNER_PATH).name for p in files):
-        raise ImageBuildError(f"the trusted runner is missing: {RUNNER_DIR / 'runner.js'} does not exist")
+def trusted_runner_files() -> list[Path]:
+    """The trusted runner's files, which every language's image carries in /opt/metaagent."""
+    files = runner_files(RUNNER_DIR)
+    require_file(files, RUNNER_DIR, PurePosixPath(RUNNER_PATH).name, "the trusted runner")
     return files
 
 
 def _recipe_hash() -> str:
-    digest = hashlib.sha256(f"recipe {RECIPE_VERSION} bootstrap {NODE_BOOTSTRAP.key()}\n".encode())
-    for path in _runner_files():
-        data = path.read_bytes()
-        digest.update(f"{path.name} {len(data)}\n".encode())
-        digest.update(data)
-    return digest.hexdigest()[:12]
+    header = f"recipe {RECIPE_VERSION} bootstrap {NODE_BOOTSTRAP.key()}\n".encode()
+    return hashlib.sha256(header + files_record(trusted_runner_files())).hexdigest()[:12]
 
 
 def image_tag() -> str:
@@ -204,12 +205,7 @@ def _assemble_rootfs(bootstrap: Path, rootfs: Path, tools: dict[str, str]) -> No
         (rootfs / "etc" / name).write_text(content)
         (rootfs / "etc" / name).chmod(0o644)
 
-    runner_dir = PurePosixPath(RUNNER_PATH).parent
-    make_dirs(rootfs, runner_dir)
-    for runner_file in _runner_files():
-        dst = inside(rootfs, runner_dir / runner_file.name)
-        dst.write_bytes(runner_file.read_bytes())
-        dst.chmod(0o644)
+    install_files(rootfs, trusted_runner_files(), PurePosixPath(RUNNER_PATH).parent)
 
     for empty, mode in (("tmp", 0o1777), ("app", 0o755)):
         (rootfs / empty).mkdir()

@@ -1,11 +1,20 @@
-"""The Python sandbox image: Debian's CPython 3.11 with numpy, pandas, matplotlib and scipy, without a shell.
+"""The Python sandbox image: Debian's CPython 3.11 with numpy, pandas, matplotlib and scipy, and node for the
+trusted runner, without a shell.
 
 Built like the Node image, with the build every image shares (`languages.rootfs`), from its own cached
 debootstrap: Debian's ``python3-scipy`` hard-depends on pythran, which brings gcc, g++ and the boost
 headers, and every debootstrap holds the Essential set (dash, bash, coreutils, apt...). So the packages
 are installed in the build stage only, and the image gets a runtime tree copied out of it:
 
-- ``/usr/bin/python3.11`` (and its ``python3`` link) and ``dumb-init``, with the libraries ``ldd`` lists;
+- ``/usr/bin/python3.11`` (and its ``python3`` link), ``dumb-init`` and ``/usr/bin/node``, with the
+  libraries ``ldd`` lists. node is there because the container's first process is the trusted runner of
+  every language (``sandbox/runner/``, in ``/opt/metaagent``): the session supervisor and its wire are one
+  program, and Python (``runner/``, in ``/opt/metaagent/python``) is its child
+  (`python_runner_command`). Of ``/usr/share/nodejs``, only the files Debian's node loads as its own
+  built-in modules at every start (acorn, cjs-module-lexer, undici's fetch: `NODE_BUILTIN_FILES`;
+  without them node aborts before running a line). The packages there serve JavaScript code (the
+  runner's top-level await in a JavaScript session), which a Python container never runs. No CA bundle
+  either: node starts without one, and only node's own TLS clients would read it;
 - the standard library without its test suites and the tools that need a display, a compiler or pip
   (`STDLIB_LEFT_OUT`), and without Debian's ``sitecustomize`` (it reads ``/etc/python3.11``);
 - ``/usr/lib/python3/dist-packages`` without pythran and what only it needs, the test suites, the Tk
@@ -23,8 +32,9 @@ are installed in the build stage only, and the image gets a runtime tree copied 
 ``_ctypes`` stays: pandas and scipy do not import without ctypes (`PYTHON_HARDENING.md`). Keeping code
 away from it is the job of the Python gate, and the container is the boundary either way.
 
-The tag hashes the recipe below (and, once there is one, the Python runner's files). All functions
-block; call them from a worker thread.
+The tag hashes the recipe below and the names and contents of both runners' files, so a change of any
+runner file makes a new image; such a rebuild redoes only the assembly (the debootstrap is cached). All
+functions block; call them from a worker thread.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from pathlib import Path, PurePosixPath
 
 import docker
 
-from metaagent.languages.javascript.image import RUNNER_PATH
+from metaagent.languages.javascript.image import NODE_MAJOR, RUNNER_PATH, trusted_runner_files
 from metaagent.languages.language import ImageBuildError
 from metaagent.languages.rootfs import (
     GROUP,
@@ -48,13 +58,17 @@ from metaagent.languages.rootfs import (
     build_rootfs_image,
     check_rootfs,
     copy_in,
+    files_record,
     inside,
+    install_files,
     log_progress,
     make_dirs,
     package_version,
     prune_repository,
+    require_file,
     resolve_in_root,
     run,
+    runner_files,
     shared_libraries,
 )
 
@@ -68,7 +82,7 @@ __all__ = [
 
 PYTHON_IMAGE_REPOSITORY = "metaagent-sandbox-python"
 # Bump when the assembly below changes in a way the constants do not show.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 PYTHON_VERSION = "3.11"
 BOOTSTRAP_PACKAGES = (
     "python3",
@@ -80,7 +94,8 @@ BOOTSTRAP_PACKAGES = (
     "fonts-dejavu-core",
     "nodejs",  # the session supervisor (sandbox/runner/supervisor.js) is the same in every language
 )
-PROGRAMS = (f"/usr/bin/python{PYTHON_VERSION}", "/usr/bin/python3", "/usr/bin/dumb-init")
+NODE = "/usr/bin/node"
+PROGRAMS = (f"/usr/bin/python{PYTHON_VERSION}", "/usr/bin/python3", "/usr/bin/dumb-init", NODE)
 STDLIB = f"/usr/lib/python{PYTHON_VERSION}"
 DIST_PACKAGES = "/usr/lib/python3/dist-packages"
 TREES = (STDLIB, DIST_PACKAGES, "/usr/share/matplotlib", "/usr/share/zoneinfo", "/etc/ld.so.cache")
@@ -141,6 +156,13 @@ SMOKE_TEST = (
     "assert matplotlib.get_backend().lower() == 'agg', matplotlib.get_backend()\n"
     "print(numpy.__version__, pandas.__version__, scipy.__version__, matplotlib.__version__)\n"
 )
+NODE_SMOKE_TEST = "process.stdout.write(process.versions.node)"
+# Debian's node takes some of its built-in modules from /usr/share/nodejs (its build's
+# NODE_SHARED_BUILTIN_<name>_PATH defines) and aborts at start if one is missing: this lists them.
+NODE_BUILTIN_FILES = (
+    "process.stdout.write(JSON.stringify(process.config.target_defaults.defines"
+    ".filter((d) => d.startsWith('NODE_SHARED_BUILTIN_')).map((d) => d.split('=')[1])))"
+)
 _LDD_BATCH = 64
 
 # The Python runner's files (`runner/`), and where the image carries them. The container's first process is
@@ -151,6 +173,7 @@ _LDD_BATCH = 64
 # language; what is Python's is the child.
 PYTHON_RUNNER_DIR = Path(__file__).parent / "runner"
 PYTHON_RUNNER_PATH = "/opt/metaagent/python/runner.py"
+PYTHON_RUNNER_FOLDER = PurePosixPath(PYTHON_RUNNER_PATH).parent
 PYTHON_PROGRAM = (f"/usr/bin/python{PYTHON_VERSION}", "-I", "-S", PYTHON_RUNNER_PATH)
 # node's heap in a Python container: it only relays bytes and runs the supervisor, never user code.
 SUPERVISOR_HEAP_MB = 48
@@ -160,7 +183,14 @@ def python_runner_command(memory_mb: int) -> list[str]:
     """The container's command: node's trusted runner with the Python program as its child. The program's
     memory is bounded by the container's limit (`memory_mb`); node's heap is bounded by its own."""
     del memory_mb  # the container's limit bounds Python; node's heap is fixed
-    return ["/usr/bin/node", f"--max-old-space-size={SUPERVISOR_HEAP_MB}", RUNNER_PATH, "--program", *PYTHON_PROGRAM]
+    return [NODE, f"--max-old-space-size={SUPERVISOR_HEAP_MB}", RUNNER_PATH, "--program", *PYTHON_PROGRAM]
+
+
+def _python_runner_files() -> list[Path]:
+    """The Python runner's files, for the build: it fails without runner.py."""
+    files = runner_files(PYTHON_RUNNER_DIR)
+    require_file(files, PYTHON_RUNNER_DIR, PurePosixPath(PYTHON_RUNNER_PATH).name, "the Python runner")
+    return files
 
 
 def _recipe() -> dict[str, object]:
@@ -169,6 +199,7 @@ def _recipe() -> dict[str, object]:
         "bootstrap": PYTHON_BOOTSTRAP.key(),
         "programs": list(PROGRAMS),
         "trees": list(TREES),
+        "node_builtin_files": NODE_BUILTIN_FILES,
         "stdlib_left_out": sorted(STDLIB_LEFT_OUT),
         "stdlib_left_out_prefixes": list(STDLIB_LEFT_OUT_PREFIXES),
         "dist_packages_left_out": list(DIST_PACKAGES_LEFT_OUT_PREFIXES),
@@ -177,6 +208,10 @@ def _recipe() -> dict[str, object]:
         "matplotlibrc": MATPLOTLIBRC,
         "passwd": PASSWD,
         "group": GROUP,
+        # The runners' names and contents. The Python runner's as they are, runner.py or not, so that
+        # naming the image (prune does) never fails; building it does without runner.py.
+        "trusted_runner": hashlib.sha256(files_record(trusted_runner_files())).hexdigest(),
+        "python_runner": hashlib.sha256(files_record(runner_files(PYTHON_RUNNER_DIR))).hexdigest(),
     }
 
 
@@ -198,12 +233,13 @@ def build_python_image(
     progress: Callable[[str], None] = log_progress,
 ) -> str:
     """Builds the Python sandbox image unless its tag already exists; returns the image id."""
+    _python_runner_files()  # before the lock and the debootstrap's minutes, not after them
     return build_rootfs_image(
         client,
         tag=python_image_tag(),
         bootstrap=PYTHON_BOOTSTRAP,
         assemble=_assemble_rootfs,
-        contents=f"python{PYTHON_VERSION}, numpy, pandas, matplotlib, scipy, their libraries and fonts",
+        contents=f"python{PYTHON_VERSION}, numpy, pandas, matplotlib, scipy, node, their libraries, fonts, the runners",
         cache_dir=cache_dir,
         progress=progress,
     )
@@ -276,6 +312,23 @@ def _libraries_of(bootstrap: Path, files: list[PurePosixPath], tools: dict[str, 
     return list(libraries)
 
 
+def _node_builtin_files(bootstrap: Path, tools: dict[str, str]) -> list[PurePosixPath]:
+    output = run(
+        [tools["chroot"], str(bootstrap), NODE, "-e", NODE_BUILTIN_FILES],
+        what="node's list of its built-in files",
+        timeout=60,
+    )
+    try:
+        files = [PurePosixPath(f) for f in json.loads(output)]
+    except (ValueError, TypeError) as exc:
+        raise ImageBuildError(
+            f"node's list of its built-in files is not a JSON list of paths: {output[:200]!r}"
+        ) from exc
+    if not all(f.is_absolute() for f in files):
+        raise ImageBuildError(f"node's built-in files are not all absolute paths: {output[:200]!r}")
+    return files
+
+
 def _copy_link_targets(bootstrap: Path, rootfs: Path) -> None:
     """Copies in what the tree's symbolic links point to (matplotlib's data under /usr/share, fonts...),
     until no link dangles."""
@@ -302,6 +355,7 @@ def _assemble_rootfs(bootstrap: Path, rootfs: Path, tools: dict[str, str]) -> No
     for program in PROGRAMS:
         paths.append(PurePosixPath(program))
         paths.extend(shared_libraries(bootstrap, program, tools))
+    paths.extend(_node_builtin_files(bootstrap, tools))
     for path in dict.fromkeys(paths):
         copy_in(bootstrap, rootfs, path)
     for tree in TREES:
@@ -314,6 +368,8 @@ def _assemble_rootfs(bootstrap: Path, rootfs: Path, tools: dict[str, str]) -> No
     for name, content in (("passwd", PASSWD), ("group", GROUP), ("matplotlibrc", MATPLOTLIBRC)):
         (rootfs / "etc" / name).write_text(content)
         (rootfs / "etc" / name).chmod(0o644)
+    install_files(rootfs, trusted_runner_files(), PurePosixPath(RUNNER_PATH).parent)
+    install_files(rootfs, _python_runner_files(), PYTHON_RUNNER_FOLDER)
     (rootfs / "tmp").mkdir()
     (rootfs / "tmp").chmod(0o1777)
 
@@ -341,6 +397,13 @@ def _assemble_rootfs(bootstrap: Path, rootfs: Path, tools: dict[str, str]) -> No
         what="python importing numpy, pandas, scipy and matplotlib in the assembled root fs",
         timeout=300,
     )
+    version = run(
+        [tools["chroot"], str(rootfs), NODE, "-e", NODE_SMOKE_TEST],
+        what="node in the assembled root fs",
+        timeout=60,
+    )
+    if not version.startswith(f"{NODE_MAJOR}."):
+        raise ImageBuildError(f"node in the assembled root fs printed {version!r}, not a version {NODE_MAJOR}.x")
     for leftover in (rootfs / "tmp").iterdir():  # the smoke test's matplotlib cache
         shutil.rmtree(leftover)
 
