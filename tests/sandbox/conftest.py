@@ -116,6 +116,18 @@ def cold_service(tmp_path_factory: pytest.TempPathFactory, docker_client: docker
         yield service
 
 
+@pytest.fixture(scope="session")
+def python_service(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient) -> Iterator[Service]:
+    """The service as it ships with both languages (the other test services serve JavaScript only),
+    once Python's image is ready too."""
+    with running_service(tmp_path_factory.mktemp("python-service"), METAAGENT_LANGUAGES="javascript,python") as service:
+        deadline = time.monotonic() + 300
+        while not service.get("/health").json()["checks"]["sandbox_image"]["languages"]["python"]["ok"]:
+            assert time.monotonic() < deadline, "the Python sandbox image was not ready within 300 s"
+            time.sleep(0.2)
+        yield service
+
+
 def runtime_of(service: Service) -> Runtime:
     """The isolation runtime in force in a running service, as its /health names it."""
     name = service.get("/health").json()["checks"]["container_engine"]["runtime"]
@@ -289,6 +301,14 @@ class Sessions:
 @pytest.fixture
 def sessions(sandbox_service: Service) -> Iterator[Sessions]:
     client = Sessions(sandbox_service)
+    yield client
+    for record in client.request("GET", "/sessions").json()["sessions"]:
+        client.close(record["session_id"])
+
+
+@pytest.fixture
+def python_sessions(python_service: Service) -> Iterator[Sessions]:
+    client = Sessions(python_service)
     yield client
     for record in client.request("GET", "/sessions").json()["sessions"]:
         client.close(record["session_id"])

@@ -505,6 +505,8 @@ class Calls:
             self.show_figures()  # what the call left open, shown as IPython's inline backend shows it
         except KeyboardInterrupt:  # an interrupt while its value, error or figures were being shown
             outcome = {"status": "interrupted"}
+            if pyplot.get_fignums():  # figures it had not shown yet: the images are not all there
+                self.images_truncated = True
         finally:
             self.running = False
         if self.images or self.images_truncated:
