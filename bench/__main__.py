@@ -18,16 +18,17 @@ from typing import Any
 
 import docker
 
-from bench import allowlist_rate, benign, cpu, http_tool, latency, phases, sequential, sessions, throughput
+from bench import allowlist_rate, benign, cpu, http_tool, latency, phases, python, sequential, sessions, throughput
 from bench.baselines import BENCH_LABEL, DEFAULT_EPICBOX_VENV, Epicbox, ensure_epicbox_venv
 from bench.machine import REPO, describe, load_average, node_path
 from bench.report import render, targets
 from bench.service import BenchService
 from metaagent.languages.javascript.image import image_tag
+from metaagent.languages.python.image import python_image_tag
 from metaagent.sandbox.runtime import RUNSC, registration_problem
 from metaagent.settings import Settings
 
-SECTIONS = ("allowlist", "benign", "cpu", "http", "latency", "phases", "sequential", "sessions", "throughput")
+SECTIONS = ("allowlist", "benign", "cpu", "http", "latency", "phases", "python", "sequential", "sessions", "throughput")
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "latest.json"
 
 
@@ -168,6 +169,25 @@ def _sessions(stack: ExitStack, runsc_problem: str | None, args: argparse.Namesp
             progress=progress,
         )
         service.stop()  # its containers gone before the next runtime's are measured
+    return measured
+
+
+def _python(stack: ExitStack, runsc_problem: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    """The Python section per runtime, each against a service of its own that serves Python."""
+    measured = {}
+    for runtime in ["runc"] + ([] if runsc_problem else [RUNSC.name]):
+        progress(f"starting the Python service ({runtime})")
+        settings = {"METAAGENT_SANDBOX_RUNTIME": runtime, "METAAGENT_LANGUAGES": "javascript,python"}
+        service = stack.enter_context(BenchService(f"python-{runtime}", **settings))
+        measured[runtime] = python.measure(
+            service,
+            image=python_image_tag(),
+            runtime=runtime,
+            rounds=args.rounds,
+            warmup=args.warmup,
+            progress=progress,
+        )
+        service.stop()
     return measured
 
 
@@ -329,6 +349,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "cpu" in only:
             results["cpu"] = _cpu(image, cpus, runsc_problem, args)
 
+        if "python" in only:
+            results["python"] = _python(stack, runsc_problem, args)
+
     results["machine"]["load_average_end"] = load_average()
     results["targets"] = [target.as_dict() for target in targets(results)]
     return results
@@ -351,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(finite(results), indent=2, allow_nan=False) + "\n")
     print(render(results))
+    if "python" in results:
+        print("\n" + "\n".join(python.lines(results["python"])))
     print(f"\nJSON: {args.output}")
     return 0
 

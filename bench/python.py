@@ -1,0 +1,154 @@
+"""Python (issue 24): pooled one-shot runs and session calls against bare `python3 -c pass` on the host,
+and what `import pandas` costs in a warm runner against a cold interpreter, per runtime, in one run.
+
+- Contenders, in rounds of a shuffled order: a pooled `print(1)` with the Python pool full (waited for,
+  untimed, before each: "with the pool ready"), the same back to back (no wait: what a caller that
+  sends one call after another gets), a call `1+1` into a Python session that stays open, and
+  `python3 -c pass` on the host. Every result is checked.
+- `import pandas`: timed inside the code (perf_counter around the import) in a warm session, where the
+  runner imported it before the call, and in a cold `docker run` of the same image's interpreter with
+  nothing imported (`python3 -I -S`, dist-packages on the path), under the same runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench.service import BenchService
+from bench.stats import Summary, ratio
+
+POOLED = "pooled print(1), pool ready"
+BACK_TO_BACK = "pooled print(1), back to back"
+SESSION_CALL = "session call 1+1"
+BARE = "python3 -c pass (host)"
+TIMED_IMPORT = "import time\nt = time.perf_counter()\nimport pandas\nprint((time.perf_counter() - t) * 1000)"
+COLD_IMPORT = (
+    "import sys, time\nsys.path.append('/usr/lib/python3/dist-packages')\n"
+    "t = time.perf_counter()\nimport pandas\nprint((time.perf_counter() - t) * 1000)"
+)
+
+
+class PythonService:
+    """A caller of a service that serves Python, for the contenders above."""
+
+    def __init__(self, service: BenchService) -> None:
+        self.service = service
+        self.client = service.client
+
+    def python_pool(self) -> dict[str, Any]:
+        pool: dict[str, Any] = self.client.get("/health").json()["checks"]["warm_pool"]["languages"]["python"]
+        return pool
+
+    def wait_python_pool(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pool = self.python_pool()
+            if pool["ready"] >= max(pool["size"], 1):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Python pool did not fill: {pool}\n{self.service.log_tail()}")
+            time.sleep(0.01)
+
+    def run(self, code: str) -> dict[str, Any]:
+        body = {"code": code, "language": "python", "timeout_s": 30}
+        response = self.client.post("/tools/code-interpreter", json=body)
+        answer: dict[str, Any] = response.json()
+        if response.status_code != 200 or answer.get("exit_code") != 0:
+            raise RuntimeError(f"a pooled Python run failed: {response.status_code} {answer}")
+        return answer
+
+    def session(self) -> str:
+        response = self.client.post("/sessions", json={"language": "python"})
+        if response.status_code != 201:
+            raise RuntimeError(f"POST /sessions (python) answered {response.status_code}: {response.text}")
+        return str(response.json()["session_id"])
+
+    def call(self, session_id: str, code: str) -> dict[str, Any]:
+        response = self.client.post(f"/sessions/{session_id}/execute", json={"code": code, "timeout_s": 30})
+        answer: dict[str, Any] = response.json()
+        if response.status_code != 200 or answer.get("error") is not None:
+            raise RuntimeError(f"a Python session call failed: {response.status_code} {answer}")
+        return answer
+
+
+def _timed(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return (time.perf_counter() - started) * 1000
+
+
+def _bare(python: str) -> None:
+    subprocess.run([python, "-c", "pass"], check=True, timeout=60)
+
+
+def _cold_import_ms(image: str, runtime: str) -> float:
+    argv = ["docker", "run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "--user", "1001:1001"]
+    argv += ["--runtime", runtime, "--entrypoint", "/usr/bin/python3.11", image, "-I", "-S", "-c", COLD_IMPORT]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
+    return float(done.stdout.strip())
+
+
+def measure(
+    service: BenchService, *, image: str, runtime: str, rounds: int, warmup: int, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    python = shutil.which("python3") or "/usr/bin/python3"
+    caller = PythonService(service)
+    caller.wait_python_pool()
+    session_id = caller.session()
+    if caller.call(session_id, "1+1")["result"] != "2":
+        raise RuntimeError("the Python session does not add")
+
+    def pooled() -> float:
+        caller.wait_python_pool()
+        return _timed(lambda: caller.run("print(1)"))
+
+    contenders: dict[str, Callable[[], float]] = {
+        POOLED: pooled,
+        BACK_TO_BACK: lambda: _timed(lambda: caller.run("print(1)")),
+        SESSION_CALL: lambda: _timed(lambda: caller.call(session_id, "1+1")),
+        BARE: lambda: _timed(lambda: _bare(python)),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for round_number in range(warmup + rounds):
+        order = list(contenders)
+        random.shuffle(order)
+        for name in order:
+            elapsed = contenders[name]()
+            if round_number >= warmup:
+                samples[name].append(elapsed)
+    warm_imports = [float(caller.call(session_id, TIMED_IMPORT)["stdout"]) for _ in range(3)]
+    cold_imports = [_cold_import_ms(image, runtime) for _ in range(3)]
+    service.client.delete(f"/sessions/{session_id}")
+    summaries = {name: Summary.of(values).as_dict() for name, values in samples.items()}
+    bare = summaries[BARE]["p50"]
+    found = {
+        "runtime": runtime,
+        "summaries": summaries,
+        "samples": samples,
+        "ratios": {name: ratio(summaries[name]["p50"], bare) for name in (POOLED, BACK_TO_BACK, SESSION_CALL)},
+        "import_pandas_ms": {"warm": warm_imports, "cold": cold_imports},
+    }
+    progress(f"python ({runtime}): " + json.dumps(found["ratios"]))
+    return found
+
+
+def lines(results: dict[str, Any]) -> list[str]:
+    """The section as text: one block per runtime."""
+    out = []
+    for runtime, found in results.items():
+        out.append(f"Python under {runtime}:")
+        for name, summary in found["summaries"].items():
+            shown = f"  {name}: p50 {summary['p50']:.1f} ms, p95 {summary['p95']:.1f} ms"
+            if name in found["ratios"]:
+                shown += f" ({found['ratios'][name]:.2f} x {BARE} p50)"
+            out.append(shown)
+        imports = found["import_pandas_ms"]
+        warm, cold = min(imports["warm"]), min(imports["cold"])
+        out.append(f"  import pandas: warm runner {warm:.3f} ms, cold interpreter {cold:.0f} ms")
+    return out
