@@ -226,6 +226,10 @@ function serveJavaScript(payload) {
 
 // Another language's program, started with the container and ready: the payload goes to it.
 function serveProgram(child, payload) {
+  if (child.exitCode !== null || child.signalCode !== null) { // it died while the container waited
+    stdio.writeStderr('metaagent-runner: the program ended before its payload came\n');
+    return processExit(program.exitCodeOf(child.exitCode, child.signalCode));
+  }
   if (payload.egress !== null) return badPayload('this language has no network here');
   if (payload.program) return badPayload('program must not be given to this runner');
   if (payload.session) {
