@@ -121,9 +121,9 @@ def unavailable() -> str | None:
 
 
 def _pool_ready(service: BenchService) -> int:
-    """The pool's ready containers from /metrics (no engine call, unlike /health)."""
+    """JavaScript's pool's ready containers from /metrics (no engine call, unlike /health)."""
     for line in service.client.get("/metrics").text.splitlines():
-        if line.startswith("metaagent_pool_containers "):
+        if line.startswith('metaagent_pool_containers{language="javascript"} '):
             return int(float(line.split()[1]))
     raise RuntimeError(f"the {service.name} service's /metrics has no metaagent_pool_containers")
 

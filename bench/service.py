@@ -50,6 +50,9 @@ class BenchService:
         self.settings = {
             "METAAGENT_AUDIT_LOG": str(self.audit_log),
             "METAAGENT_SANDBOX_BUILD_ON_START": "true",
+            # The benchmarks run JavaScript: a Python lane would build its image and fill a pool of its own
+            # (with half the warm pool's memory budget) beside the figures measured.
+            "METAAGENT_LANGUAGES": "javascript",
             **settings,
         }
         self.process: subprocess.Popen[bytes] | None = None

@@ -104,7 +104,11 @@ def test_serve_refuses_a_pool_floor_above_its_ceiling_with_exit_2_and_the_fix(tm
     ("budget", "problem"),
     [
         ("0", "METAAGENT_POOL_MEMORY_MB: Input should be greater than or equal to 1 (got '0')"),
-        ("100", "METAAGENT_POOL_MEMORY_MB (100) holds 0 warm container(s) of 256 MB"),
+        (  # split between the two languages served by default
+            "100",
+            "METAAGENT_POOL_MEMORY_MB (100), split among the 2 languages' pools (METAAGENT_LANGUAGES), each holds 0 "
+            "warm container(s) of 256 MB",
+        ),
     ],
 )
 def test_serve_refuses_a_bad_pool_memory_budget_with_exit_2_naming_it(

@@ -23,15 +23,16 @@ from metaagent.catalogue import TOOLS
 from metaagent.disconnects import LogHangUps
 from metaagent.egress.allowlist import AllowList
 from metaagent.hosts import CheckHostAndOrigin, transport_security
+from metaagent.languages import served
 from metaagent.mcp_server import SessionLimits, build_server, mount_mcp
 from metaagent.packages.install import check_registry
 from metaagent.packages.policy import PackagePolicy
 from metaagent.sandbox.network import read_extra_ca_certs
 from metaagent.sandbox.runtime import RuntimeChoice
-from metaagent.sandbox.sizing import host_memory_mb, pool_limits
+from metaagent.sandbox.sizing import PoolLimits, host_memory_mb, pool_limits
 from metaagent.services import Configuration, running_services
 from metaagent.settings import MIB, Settings
-from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB
+from metaagent.tools.code_interpreter import pool_memory_mb
 
 __all__ = ["TOOLS", "create_app"]
 
@@ -45,9 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         package_policy=PackagePolicy.parse(settings.npm_allowed_packages),
         extra_ca_pem=read_extra_ca_certs(settings.sandbox_extra_ca_certs),
         runtime=RuntimeChoice.parse(settings.sandbox_runtime),
-        pool_limits=pool_limits(
-            settings, cpu_count=os.cpu_count() or 1, host_mb=host_memory_mb(), container_mb=DEFAULT_MEMORY_MB
-        ),
+        pool_limits=lane_pool_limits(settings),
         key_count=len(keys),
     )
     check_registry(settings.npm_registry)
@@ -87,6 +86,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     mcp_sessions = mount_mcp(app, app.state.mcp_server, security, session_limits(settings, keys))
     app.state.mcp_endpoint = mcp_sessions
     return app
+
+
+def lane_pool_limits(settings: Settings) -> dict[str, PoolLimits]:
+    """Each served language's warm pool limits, the memory budget split evenly among them (sandbox.sizing)."""
+    languages = served(settings.languages)
+    cpu_count, host_mb = os.cpu_count() or 1, host_memory_mb()
+    return {
+        name: pool_limits(
+            settings,
+            cpu_count=cpu_count,
+            host_mb=host_mb,
+            container_mb=pool_memory_mb(language),
+            lanes=len(languages),
+        )
+        for name, language in languages.items()
+    }
 
 
 def session_limits(settings: Settings, keys: KeyRing) -> SessionLimits:

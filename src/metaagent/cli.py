@@ -163,7 +163,7 @@ def run(
         image = SandboxImage(engine, tag=settings.sandbox_image, cache_dir=settings.sandbox_cache_dir)
         interpreter = CodeInterpreter(
             engine,
-            image,
+            [image],
             ExecutionRegistry(),
             AuditLog(settings.audit_log),
             capacity=1,

@@ -103,9 +103,7 @@ def build_server(tools: Sequence[ToolSpec], services: Callable[[], Services]) ->
             log.exception("MCP call of tool %r failed unexpectedly", params.name)
             return _tool_error("Internal error; the service log has the details")
         structured = result.model_dump(mode="json")
-        # Compact: frameworks that show the model the text pay for every byte of it, on every call.
-        text = json.dumps(structured, ensure_ascii=False, separators=(",", ":"))
-        return types.CallToolResult(content=[types.TextContent(text=text)], structured_content=structured)
+        return types.CallToolResult(content=_content(structured), structured_content=structured)
 
     async def list_resources(
         _ctx: ServerRequestContext[Any], _params: types.PaginatedRequestParams | None
@@ -153,6 +151,21 @@ async def _call(spec: ToolSpec, svc: Services, request: BaseModel, ctx: ServerRe
         await ctx.session.report_progress(progress, None, text)
 
     return await with_progress(lambda sink: stream(svc, request, sink), report)
+
+
+def _content(structured: dict[str, Any]) -> list[types.ContentBlock]:
+    """A result as MCP content: its JSON as text, and each figure of a session call (`images`) as an
+    image item. In the text an image's base64 is replaced by the number of the image item that holds
+    it: a model that reads the text would otherwise read megabytes of base64 (structured content keeps
+    it whole). Compact JSON: frameworks that show the model the text pay for every byte, on every call."""
+    images = structured.get("images") or []
+    shown = structured
+    if images:
+        shown = {**structured, "images": [{**image, "data": f"<image {n}>"} for n, image in enumerate(images, 1)]}
+    text = json.dumps(shown, ensure_ascii=False, separators=(",", ":"))
+    content: list[types.ContentBlock] = [types.TextContent(text=text)]
+    content.extend(types.ImageContent(data=image["data"], mime_type=image["mime"]) for image in images)
+    return content
 
 
 def _tool_error(message: str) -> types.CallToolResult:

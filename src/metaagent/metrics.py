@@ -6,8 +6,8 @@
     metaagent_execution_duration_seconds         histogram of the container's run time (completed runs)
     metaagent_executions_running                 executions holding a slot now
     metaagent_executions_queued                  executions waiting for a slot now
-    metaagent_pool_containers                    warm containers ready in the pool
-    metaagent_pool_target                        containers the pool aims to hold now, lent ones included
+    metaagent_pool_containers{language}          warm containers ready in the language's pool
+    metaagent_pool_target{language}              containers that pool aims to hold now, lent ones included
                                                  (it follows demand between its floor and ceiling)
     metaagent_pool_start_retries_total           warm containers whose runner died before any code was
                                                  handed over (a crash at start); the pool starts another
@@ -65,9 +65,13 @@ EXECUTION_DURATION = Histogram(
 )
 RUNNING = Gauge("metaagent_executions_running", "Executions holding a slot now")
 QUEUED = Gauge("metaagent_executions_queued", "Executions waiting for a slot now")
-POOL_CONTAINERS = Gauge("metaagent_pool_containers", "Warm sandbox containers ready in the pool")
+POOL_CONTAINERS = Gauge(
+    "metaagent_pool_containers", "Warm sandbox containers ready in the pool, by language", ["language"]
+)
 POOL_TARGET = Gauge(
-    "metaagent_pool_target", "Containers the warm pool aims to hold now (lent ones included); follows demand"
+    "metaagent_pool_target",
+    "Containers the language's warm pool aims to hold now (lent ones included); follows demand",
+    ["language"],
 )
 POOL_START_RETRIES = Counter(
     "metaagent_pool_start_retries",
@@ -110,10 +114,10 @@ def watch_admission(admission: _Admission) -> None:
     QUEUED.set_function(lambda: admission.waiting)
 
 
-def watch_pool(pool: _Pool) -> None:
-    """The pool gauges read this pool when scraped."""
-    POOL_CONTAINERS.set_function(lambda: pool.ready)
-    POOL_TARGET.set_function(lambda: pool.size)
+def watch_pool(pool: _Pool, language: str) -> None:
+    """The pool gauges of `language` read this pool (that language's lane) when scraped."""
+    POOL_CONTAINERS.labels(language=language).set_function(lambda: pool.ready)
+    POOL_TARGET.labels(language=language).set_function(lambda: pool.size)
 
 
 def pool_start_retry() -> None:

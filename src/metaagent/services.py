@@ -1,17 +1,25 @@
 """The running service's parts: built once when the service starts, shared by HTTP routes and MCP.
 
-`running_services(config)` builds them, starts the background work (orphan sweep and image, warm pool,
-sessions and their reaper, each one supervised: restarted if it fails, and named by /health while it is
-not running), and on the way out stops every execution and releases what the parts hold.
+`running_services(config)` builds them, starts the background work (orphan sweep and images, a warm
+pool per served language, sessions and their reaper, each one supervised: restarted if it fails, and
+named by /health while it is not running), and on the way out stops every execution and releases what
+the parts hold.
+
+Every language in `METAAGENT_LANGUAGES` is served in a lane of the code interpreter, with its image
+(checked, or built in the background, at start-up) and its warm pool. JavaScript's image is made sure of
+first and never waits for another's: its executions run as soon as it is there, while a language whose
+image is missing or still building answers 503 with the reason. `METAAGENT_SANDBOX_IMAGE` names
+JavaScript's image only; every other language's tag is its recipe's.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 
@@ -23,6 +31,7 @@ from metaagent.egress.allowlist import AllowList, empty_items_warning
 from metaagent.egress.guard import EgressGuard
 from metaagent.egress.pool import ConnectionLimits
 from metaagent.executions import ExecutionRegistry
+from metaagent.languages import JAVASCRIPT, Language, served
 from metaagent.packages.policy import SETTING as NPM_SETTING
 from metaagent.packages.policy import PackagePolicy
 from metaagent.packages.store import PackageStore, package_store
@@ -33,7 +42,7 @@ from metaagent.sandbox.runtime import RuntimeChoice, settle
 from metaagent.sandbox.sizing import PoolLimits
 from metaagent.sessions.service import SessionLimits, Sessions
 from metaagent.settings import MIB, Settings
-from metaagent.tools.code_interpreter import CodeInterpreter, probe_spec
+from metaagent.tools.code_interpreter import CodeInterpreter, Lane, probe_spec
 from metaagent.tools.embeddings import EmbeddingsTool
 from metaagent.tools.http import HttpTool
 from metaagent.tools.search import SearchTool
@@ -55,7 +64,7 @@ class Configuration:
     package_policy: PackagePolicy
     extra_ca_pem: bytes
     runtime: RuntimeChoice
-    pool_limits: PoolLimits
+    pool_limits: dict[str, PoolLimits]  # each served language's warm pool (the memory budget split among them)
     key_count: int = 0  # API keys configured (0: none, one local caller)
 
 
@@ -67,7 +76,6 @@ class Services:
     guard: EgressGuard
     http: HttpTool
     engine: Engine
-    image: SandboxImage
     executions: ExecutionRegistry
     interpreter: CodeInterpreter
     search: SearchTool
@@ -102,13 +110,19 @@ async def settle_runtime(config: Configuration, engine: Engine | None = None) ->
     own_engine = engine is None
     engine = engine or Engine()
     try:
-        image = SandboxImage(engine, tag=settings.sandbox_image, cache_dir=settings.sandbox_cache_dir)
+        image = sandbox_image(engine, settings, JAVASCRIPT)
         await settle(
             config.runtime, engine, image, probe_spec(settings.sandbox_cpus), build=settings.sandbox_build_on_start
         )
     finally:
         if own_engine:
             engine.close()
+
+
+def sandbox_image(engine: Engine, settings: Settings, language: Language) -> SandboxImage:
+    """A served language's image: its recipe's tag, or for JavaScript METAAGENT_SANDBOX_IMAGE if set."""
+    tag = settings.sandbox_image if language is JAVASCRIPT else None
+    return SandboxImage(engine, tag=tag, cache_dir=settings.sandbox_cache_dir, language=language)
 
 
 @asynccontextmanager
@@ -138,7 +152,7 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
     )
     engine = Engine()
     await settle_runtime(config, engine)
-    image = SandboxImage(engine, tag=settings.sandbox_image, cache_dir=settings.sandbox_cache_dir)
+    images = [sandbox_image(engine, settings, language) for language in served(settings.languages).values()]
     executions = ExecutionRegistry()
     for entry in config.package_policy.blocked_entries:
         log.warning("METAAGENT_NPM_ALLOWED_PACKAGES lists %s, which is on the block list: it stays refused", entry)
@@ -146,7 +160,7 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
     cpu_count = os.cpu_count() or 1
     interpreter = CodeInterpreter(
         engine,
-        image,
+        images,
         executions,
         audit,
         capacity=settings.effective_concurrency(cpu_count),
@@ -185,7 +199,8 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
     )
     search, embeddings = SearchTool(guard, settings), EmbeddingsTool(guard, settings)
     metrics.watch_admission(interpreter.admission)
-    metrics.watch_pool(interpreter.pool)
+    for name, lane in interpreter.lanes.items():
+        metrics.watch_pool(lane.pool, name)
     services = Services(
         settings,
         config.allowlist,
@@ -193,7 +208,6 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         guard,
         http,
         engine,
-        image,
         executions,
         interpreter,
         search,
@@ -209,16 +223,21 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         try:
             await _prepare_sandbox(interpreter, settings.sandbox_build_on_start)
         finally:
-            prepared.set()  # the pool starts whatever the preparation found (it retries starts itself)
+            prepared.set()  # the pools start whatever the preparation found (they retry starts themselves)
 
-    async def keep_pool() -> None:
-        await prepared.wait()
-        await interpreter.pool.run()
+    def keep_pool(lane: Lane) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            await prepared.wait()
+            await lane.pool.run()
+
+        return run
 
     async with anyio.create_task_group() as background:
         tasks = services.background_tasks
         tasks.start(background, "sandbox_setup", prepare)
-        tasks.start(background, "warm_pool", keep_pool)
+        for name, lane in interpreter.lanes.items():
+            task = "warm_pool" if lane.language is JAVASCRIPT else f"warm_pool_{name}"  # JavaScript's as before lanes
+            tasks.start(background, task, keep_pool(lane))
         tasks.start(background, "sessions", sessions.run)
         tasks.start(background, "session_reaper", sessions.reap)
         try:
@@ -226,7 +245,8 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         finally:
             await services.stop()
             with anyio.move_on_after(30):
-                await interpreter.pool.stopped.wait()
+                for lane in interpreter.lanes.values():
+                    await lane.pool.stopped.wait()
             await _remove_package_volumes(packages)
             await _remove_what_is_still_owned(engine)
             with anyio.move_on_after(30):  # what failed runsc starts may have left, which the engine forgot
@@ -241,11 +261,22 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
 
 
 async def _prepare_sandbox(interpreter: CodeInterpreter, build: bool) -> None:
-    """Removes what a dead service left, makes sure of the image and chooses the runtime (its self-test).
+    """Removes what a dead service left, makes sure of every served language's image and chooses the
+    runtime (its self-test, in JavaScript's image).
 
     Each check runs (or finds the engine down) whatever the one before found, so that afterwards /health
-    can report each (it says "starting" until both the image and the runtime have been looked at)."""
-    engine, image, runtime = interpreter.engine, interpreter.image, interpreter.runtime
+    can report each (it says "starting" until every image and the runtime have been looked at). The other
+    languages' images are looked for (and built) beside JavaScript's, never before it: a build of theirs
+    does not hold up JavaScript, nor the runtime's choice."""
+    async with anyio.create_task_group() as group:
+        for lane in interpreter.lanes.values():
+            if lane.language is not JAVASCRIPT:
+                group.start_soon(partial(lane.image.refresh, build=build))  # never raises
+        await _prepare_javascript(interpreter, build)
+
+
+async def _prepare_javascript(interpreter: CodeInterpreter, build: bool) -> None:
+    engine, image, runtime = interpreter.engine, interpreter.javascript.image, interpreter.runtime
     try:
         removed = await engine.remove_orphans()
     except EngineUnavailable as exc:
@@ -262,7 +293,7 @@ async def _prepare_sandbox(interpreter: CodeInterpreter, build: bool) -> None:
         runtime.defer(image.error or "the sandbox image is not ready")
         return
     try:
-        await interpreter.runtime_in_force(image.tag)
+        await interpreter.runtime_in_force()
     except EngineUnavailable as exc:  # chosen on the next execution instead
         log.warning("%s", exc.message)
         runtime.defer(exc.message)

@@ -77,8 +77,9 @@ class Settings(BaseSettings):
     egress_max_connections: int = Field(default=64, ge=1, le=4096)
     egress_pool_wait_s: float = Field(default=5.0, gt=0, le=120)
 
-    # Code interpreter. `languages`: those whose sandbox image `metaagent sandbox build` makes (JavaScript
-    # is always served; Python's image is built ahead of its runner).
+    # Code interpreter. `languages`: those it serves (`metaagent.languages.served`), each with its own image
+    # (checked or built at start-up, and by `metaagent sandbox build`) and warm pool; JavaScript always.
+    # `sandbox_image` overrides JavaScript's image tag only.
     languages: Annotated[tuple[str, ...], NoDecode] = LANGUAGES
     sandbox_image: str | None = None
     sandbox_cache_dir: Path = Path("/var/cache/metaagent")
@@ -181,7 +182,7 @@ class Settings(BaseSettings):
         if unknown:
             raise ValueError(f"unknown language {unknown[0]!r}: give a list of {', '.join(LANGUAGES)}")
         if "javascript" not in value:
-            raise ValueError("javascript must be enabled (the only language served so far)")
+            raise ValueError("javascript must be enabled (the runtime self-test and npm packages use its image)")
         return tuple(dict.fromkeys(value))
 
     def effective_concurrency(self, cpu_count: int) -> int:

@@ -62,6 +62,9 @@ def running_service(workdir: Path, **env: str) -> Iterator[Service]:
     stderr_path = workdir / "service.log"
     defaults = {
         "METAAGENT_SANDBOX_BUILD_ON_START": "true",
+        # These services test the JavaScript sandbox: a Python lane would build its image (minutes) at each
+        # start, and its containers cannot run before Python's runner exists. A test that wants it says so.
+        "METAAGENT_LANGUAGES": "javascript",
         "ALLOW_HTTP_HOSTS": '["127.0.0.1"]',
         "OPENAI_API_KEY": HOST_SECRET,
         "SERPER_API_KEY": HOST_SECRET,

@@ -66,7 +66,12 @@ def test_engine_stop_gives_503s_and_degraded_health_while_http_works_and_its_ret
     engine: PrivateEngine, docker_client: docker.DockerClient, tmp_path: Path, upstream: str
 ) -> None:
     engine.load_image(docker_client, image_tag())
-    env = {"DOCKER_HOST": engine.url, "ALLOW_HTTP_HOSTS": '["127.0.0.1"]', "METAAGENT_ALLOW_PRIVATE_NETWORKS": "true"}
+    env = {
+        "DOCKER_HOST": engine.url,
+        "ALLOW_HTTP_HOSTS": '["127.0.0.1"]',
+        "METAAGENT_ALLOW_PRIVATE_NETWORKS": "true",
+        "METAAGENT_LANGUAGES": "javascript",  # the private engine holds JavaScript's image only
+    }
     with serving(tmp_path, **env) as (base, _process):
         wait_for(lambda: bool(checks(base)["sandbox_image"]["ok"]), "the image check")
         before = httpx2.post(f"{base}{RUN}", json=HELLO, timeout=CLIENT_TIMEOUT_S)

@@ -1,6 +1,7 @@
 """`/health` says `starting` (503, to every caller) until each start-up check has run once, and never
 reports a check as failed, nor the service as ok, before it has run (issue 23, item 3). The check is
-held, not raced: the image look-up waits for the test to let it go, then runs for real."""
+held, not raced: the image look-up waits for the test to let it go, then runs for real. With two served
+languages, every image is a check of its own (issue 24): JavaScript's fields stay where they were."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import httpx2
 import pytest
 
 from metaagent.app import create_app
+from metaagent.languages import JAVASCRIPT, PYTHON
 from metaagent.sandbox.provision import SandboxImage
 from tests.conftest import make_settings
 
@@ -56,7 +58,7 @@ async def test_health_is_503_starting_until_the_image_has_been_looked_for_then_2
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with anyio.fail_after(TIMEOUT_S):
-        async with held_start(tmp_path, monkeypatch) as (client, release):
+        async with held_start(tmp_path, monkeypatch, languages=("javascript",)) as (client, release):
             for _ in range(3):  # however often it is asked
                 starting = await client.get("/health")
                 assert starting.status_code == 503
@@ -104,3 +106,49 @@ async def test_an_engine_that_is_down_at_start_ends_starting_as_degraded_not_a_s
     assert body["checks"]["container_engine"]["ok"] is False
     assert body["checks"]["sandbox_image"]["ok"] is False  # looked for, and the engine did not answer
     assert body["checks"]["container_engine"]["runtime_reason"].startswith("not chosen yet")
+
+
+async def test_with_two_languages_health_starts_once_both_images_were_looked_for_and_javascript_runs_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python's look-up is held (and made to find no image) while JavaScript's runs at once."""
+    python_release = anyio.Event()
+    refresh = SandboxImage.refresh
+
+    async def held_refresh(self: SandboxImage, *, build: bool) -> None:
+        if self.language is PYTHON:
+            await python_release.wait()
+            self.tag = "metaagent-sandbox-python:absent-for-this-test"
+        await refresh(self, build=build)
+
+    monkeypatch.setattr(SandboxImage, "refresh", held_refresh)
+    app = create_app(make_settings(tmp_path, pool_enabled=False, languages=("javascript", "python")))
+    with anyio.fail_after(TIMEOUT_S):
+        async with app.router.lifespan_context(app):
+            transport = httpx2.ASGITransport(app=app)
+            async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1:3102") as client:
+                interpreter = app.state.services.interpreter
+                # Polled: JavaScript's checks set no event the test could wait on.
+                while not (interpreter.javascript.image.checked and interpreter.runtime.has_run):  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+                starting = await client.get("/health")
+                javascript = await client.post("/tools/code-interpreter", json={"code": "console.log(1)"})
+                python_release.set()
+                started = await until_started(client)
+                python = await client.post("/tools/code-interpreter", json={"code": "print(1)", "language": "python"})
+    assert (starting.status_code, starting.json()) == (503, {"status": "starting"})
+    assert (javascript.status_code, javascript.json()["stdout"]) == (200, "1\n")
+    assert python.status_code == 503
+    assert "metaagent-sandbox-python:absent-for-this-test is missing" in python.json()["error"]
+    body = started.json()
+    assert (started.status_code, body["status"]) == (200, "degraded")  # Python's requests answer 503
+    image = body["checks"]["sandbox_image"]
+    assert image["ok"] is True  # JavaScript's, where it always was
+    assert image["tag"] == JAVASCRIPT.image_tag()
+    assert image["languages"]["javascript"] == {key: value for key, value in image.items() if key != "languages"}
+    assert image["languages"]["python"]["ok"] is False
+    assert image["languages"]["python"]["tag"] == "metaagent-sandbox-python:absent-for-this-test"
+    assert "metaagent sandbox build" in image["languages"]["python"]["error"]
+    pools = body["checks"]["warm_pool"]
+    assert set(pools["languages"]) == {"javascript", "python"}
+    assert pools["languages"]["javascript"] == {key: value for key, value in pools.items() if key != "languages"}

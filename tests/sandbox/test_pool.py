@@ -102,8 +102,8 @@ def test_the_pool_refills_after_a_burst_and_is_emptied_at_shutdown(
         pool = wait_for_warm_containers(service, 2)
         assert (pool["size"], pool["floor"], pool["ceiling"]) == (2, 2, 2)
         metrics = service.get("/metrics").text
-        assert "metaagent_pool_containers 2.0" in metrics
-        assert "metaagent_pool_target 2.0" in metrics
+        assert 'metaagent_pool_containers{language="javascript"} 2.0' in metrics
+        assert 'metaagent_pool_target{language="javascript"} 2.0' in metrics
         assert pool["served"] == paths.count("warm")
         assert len(owned_containers(docker_client, service.pid)) == 2  # just the refilled pool: nothing left over
 
@@ -117,15 +117,8 @@ def test_no_pool_when_it_is_off(tmp_path: Path, docker_client: docker.DockerClie
         result = code_runner(service, "cold")("console.log('cold')")
         pool = service.get("/health").json()["checks"]["warm_pool"]
         assert result.stdout == "cold\n"
-        assert pool == {
-            "ok": True,
-            "ready": 0,
-            "size": 0,
-            "served": 0,
-            "floor": 0,
-            "ceiling": 0,
-            "memory_budget_mb": 0,
-        }
+        off = {"ok": True, "ready": 0, "size": 0, "served": 0, "floor": 0, "ceiling": 0, "memory_budget_mb": 0}
+        assert pool == {**off, "languages": {"javascript": off}}
         assert owned_containers(docker_client, service.pid) == []
 
 

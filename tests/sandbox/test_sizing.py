@@ -142,6 +142,40 @@ def test_a_pool_that_is_off_has_no_floor_and_no_budget_to_check(
     assert pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256) == PoolLimits.off()
 
 
+def test_two_lanes_split_the_default_budget_so_that_together_they_hold_no_more_idle_memory_than_one() -> None:
+    one = pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256)
+    each = pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256, lanes=2)
+    assert 2 * each.memory_budget_mb == one.memory_budget_mb == 2048
+    assert (each.floor, each.ceiling) == (one.floor, one.ceiling)  # each lane's sizer follows its own demand
+
+
+def test_two_lanes_split_an_explicit_budget_and_each_lanes_floor_is_capped_by_its_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("METAAGENT_POOL_MEMORY_MB", "1024")
+    assert Settings().effective_concurrency(2) > 2
+    each = pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256, lanes=2)
+    assert (each.floor, each.memory_budget_mb) == (2, 512)  # two containers of 256 MB in a 512 MB share
+
+
+def test_a_small_hosts_default_budget_still_holds_one_warm_container_a_lane() -> None:
+    each = pool_limits(Settings(), cpu_count=2, host_mb=1024, container_mb=256, lanes=2)  # a quarter: 256 MB
+    assert (each.floor, each.memory_budget_mb) == (1, 256)
+
+
+def test_an_explicit_budget_whose_share_cannot_hold_a_lanes_floor_is_refused_naming_the_split(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("METAAGENT_POOL_MEMORY_MB", "256")
+    with pytest.raises(ConfigError) as raised:
+        pool_limits(Settings(), cpu_count=2, host_mb=8192, container_mb=256, lanes=2)
+    assert str(raised.value) == (
+        "METAAGENT_POOL_MEMORY_MB (256), split among the 2 languages' pools (METAAGENT_LANGUAGES), each holds 0 "
+        "warm container(s) of 256 MB, fewer than the pool's floor (1): set it to at least 512, lower "
+        "METAAGENT_POOL_MIN, or turn the pool off (METAAGENT_POOL_ENABLED=false)"
+    )
+
+
 def test_the_default_budget_is_a_quarter_of_the_host_clamped_to_one_container_and_16_gib() -> None:
     assert default_memory_budget_mb(8192) == 2048
     assert default_memory_budget_mb(512) == 256

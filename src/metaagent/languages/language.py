@@ -16,8 +16,10 @@ from typing import Any, Literal, Protocol
 
 import docker
 
-# The names a request may give, served or not: the schema offers them all, and one this service does not
-# run yet answers a 400 that says so (`languages.served_language`).
+from metaagent.errors import RequestRefused
+
+# The names a request may give, served or not: the schema offers them all, and one that METAAGENT_LANGUAGES
+# does not enable answers a 400 that says so (`languages.served_language`).
 LanguageName = Literal["javascript", "python"]
 
 
@@ -44,6 +46,25 @@ class Language:
     # What the runtime writes on stderr when the program has exhausted its heap: a session whose process
     # ends after writing it ended out of memory, although no OOM kill was needed. None: it has no such line.
     out_of_memory_message: str | None = None
+    # The policy the shared code consults (`check_request`) instead of naming languages.
+    packages: bool = False  # npm packages (`metaagent.packages`): JavaScript's alone
+    network: bool = False  # egress through the runner's tunnel (`network`)
+    min_memory_mb: int = 64  # the least `memory_mb` its runner and program start in (the schema's least: 64)
+    # What a refused `packages` or `network` message adds: what to do instead.
+    without_packages: str = "remove `packages`"
+    without_network: str = "remove `network`"
+
+    def check_request(self, *, memory_mb: int, packages: list[str], network: object | None) -> None:
+        """A 400 (RequestRefused) for what this language does not support, before anything starts."""
+        if packages and not self.packages:
+            raise RequestRefused(f"packages are npm packages, for JavaScript only; {self.without_packages}")
+        if network is not None and not self.network:
+            raise RequestRefused(f"network is not supported for {self.label} yet; {self.without_network}")
+        if memory_mb < self.min_memory_mb:
+            raise RequestRefused(
+                f"memory_mb {memory_mb} is below {self.label}'s minimum of {self.min_memory_mb} MiB; "
+                f"give memory_mb of at least {self.min_memory_mb}"
+            )
 
 
 def code_fields(code: str) -> dict[str, Any]:

@@ -7,6 +7,13 @@ window. The target rises at once to the demand (never above the ceiling) and, wh
 it, falls by one each `DECAY_STEP_S` seconds, down to the floor. The target counts lent containers, as
 the fixed pool's size did; the memory budget bounds only what the pool itself holds (ready, starting
 and being removed), since a lent container's memory is its execution's, bounded by the concurrency.
+
+Each served language has a pool of its own (a lane of the code interpreter), with its own sizer: the
+floor and ceiling settings apply to each, and each target follows its own language's demand. The memory
+budget is the whole service's: `pool_limits` splits it evenly among the lanes, so that two languages
+never hold more idle memory than one did (a lane's floor is capped by its share, as the whole pool's was
+by the budget). The one exception is the default budget's least, one warm container per lane: on a host
+whose quarter of memory holds fewer containers than there are lanes, each lane still gets one.
 """
 
 from __future__ import annotations
@@ -70,15 +77,19 @@ def default_memory_budget_mb(host_mb: int | None) -> int:
     return max(_MIN_DEFAULT_BUDGET_MB, min(_MAX_DEFAULT_BUDGET_MB, host_mb // 4))
 
 
-def pool_limits(settings: Settings, *, cpu_count: int, host_mb: int | None, container_mb: int) -> PoolLimits:
-    """The pool's limits from the settings (defaults filled in); a ConfigError that says what to change
-    when the floor is above the ceiling or the budget cannot hold the floor's containers."""
+def pool_limits(
+    settings: Settings, *, cpu_count: int, host_mb: int | None, container_mb: int, lanes: int = 1
+) -> PoolLimits:
+    """One lane's pool limits from the settings (defaults filled in), its memory budget the lane's share of
+    the service's among `lanes` pools; a ConfigError that says what to change when the floor is above the
+    ceiling or the share cannot hold the floor's containers."""
     ceiling = settings.effective_pool_size(cpu_count)
     if ceiling == 0:
         return PoolLimits.off()
-    budget = settings.pool_memory_mb
-    if budget is None:
-        budget = default_memory_budget_mb(host_mb)
+    total = settings.pool_memory_mb
+    if total is None:
+        total = max(default_memory_budget_mb(host_mb), lanes * container_mb)  # at least one warm container a lane
+    budget = total // lanes
     floor = settings.pool_min
     if floor is None:  # as many as can run at once (the pool's fixed size before), if ceiling and budget allow
         floor = max(1, min(settings.effective_concurrency(cpu_count), ceiling, budget // container_mb))
@@ -94,10 +105,12 @@ def pool_limits(settings: Settings, *, cpu_count: int, host_mb: int | None, cont
         )
     if budget // container_mb < max(floor, 1):
         fits = budget // container_mb
+        shared = f", split among the {lanes} languages' pools (METAAGENT_LANGUAGES), each" if lanes > 1 else ""
         raise ConfigError(
-            f"METAAGENT_POOL_MEMORY_MB ({budget}) holds {fits} warm container(s) of {container_mb} MB, fewer than "
-            f"the pool's floor ({max(floor, 1)}): set it to at least {max(floor, 1) * container_mb}, lower "
-            "METAAGENT_POOL_MIN, or turn the pool off (METAAGENT_POOL_ENABLED=false)"
+            f"METAAGENT_POOL_MEMORY_MB ({total}){shared} holds {fits} warm container(s) of {container_mb} MB, "
+            f"fewer than the pool's floor ({max(floor, 1)}): set it to at least "
+            f"{lanes * max(floor, 1) * container_mb}, lower METAAGENT_POOL_MIN, or turn the pool off "
+            "(METAAGENT_POOL_ENABLED=false)"
         )
     return PoolLimits(floor, ceiling, budget)
 

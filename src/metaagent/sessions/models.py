@@ -26,7 +26,8 @@ class SessionCreateRequest(ToolRequest):
     """
 
     language: LanguageName = Field(
-        default="javascript", description="javascript (Node.js 18); python is not served yet."
+        default="javascript",
+        description="javascript (Node.js 18) or python (Python 3.11 with numpy, pandas and matplotlib), if served.",
     )
     memory_mb: int = Field(default=DEFAULT_MEMORY_MB, ge=64, le=1024, description="Memory limit in MiB (no swap).")
     packages: list[str] = Field(

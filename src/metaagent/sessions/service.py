@@ -1,12 +1,12 @@
 """The sessions of this service: their containers, their calls and file requests, and their ends.
 
-A session is created on a warm container when it asks for the pool's configuration, else on a new one,
-with the same container spec (`languages.container`), limits and audit as a one-shot execution
-(`tools.code_interpreter`), and the workspace. Its calls and file requests run one at a time, in arrival
-order; at most `queue_size` wait (429 past that). It ends when it is closed, idle past its
-`idle_timeout_s`, past the lifetime cap, when its process ends, or when the service stops; for an hour
-afterwards its id answers 410 with the reason. To every caller but its owner (the API key that created
-it) it does not exist (404), open or ended.
+A session is created in its language's lane: on a warm container of that lane when it asks for its
+pool's configuration, else on a new one, with the same container spec (`languages.container`), limits
+and audit as a one-shot execution (`tools.code_interpreter`), and the workspace. Its calls and file
+requests run one at a time, in arrival order; at most `queue_size` wait (429 past that). It ends when it
+is closed, idle past its `idle_timeout_s`, past the lifetime cap, when its process ends, or when the
+service stops; for an hour afterwards its id answers 410 with the reason. To every caller but its
+owner (the API key that created it) it does not exist (404), open or ended.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from metaagent.errors import (
     UpstreamTimeout,
 )
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
-from metaagent.languages import Language, code_fields, served_language
+from metaagent.languages import code_fields
 from metaagent.languages.container import container_spec
 from metaagent.sandbox.execute import STDOUT_CAP, first_of, prepare, session_payload, wait_ready
 from metaagent.sandbox.output import OutputSink
@@ -71,7 +71,7 @@ from metaagent.sessions.models import (
 )
 from metaagent.sessions.paths import checked_path
 from metaagent.tenancy import Caller, may_access, visible_to
-from metaagent.tools.code_interpreter import CodeInterpreter, NetworkPolicy
+from metaagent.tools.code_interpreter import CodeInterpreter, Lane, NetworkPolicy
 
 log = logging.getLogger("metaagent.sessions")
 
@@ -289,10 +289,12 @@ class Sessions:
     async def create(self, request: SessionCreateRequest, tenant: Caller) -> SessionRecord:
         if self.closing or self.interpreter.closing:
             raise Unavailable("The service is shutting down; retry on another instance")
-        language = served_language(request.language)
+        interpreter = self.interpreter
+        lane = interpreter.lane(
+            request.language, memory_mb=request.memory_mb, packages=request.packages, network=request.network
+        )
         caller = tenant.key_id
         self._admit(tenant)
-        interpreter = self.interpreter
         dependencies = interpreter.check_packages(request.packages)
         allowlist = interpreter.network_allowlist(request.network)
         session = Session(
@@ -305,7 +307,7 @@ class Sessions:
         )
         self._open[session.session_id] = session
         try:
-            await self._start(session, language, dependencies, allowlist)
+            await self._start(session, lane, dependencies, allowlist)
         except BaseException:
             self._open.pop(session.session_id, None)
             with anyio.CancelScope(shield=True):
@@ -327,7 +329,8 @@ class Sessions:
             },
             packages=list(request.packages),
             network=request.network.model_dump() if request.network else None,
-            image_id=interpreter.image.image_id,
+            language=lane.language.name,
+            image_id=lane.image.image_id,
         )
         return session.record()
 
@@ -349,23 +352,21 @@ class Sessions:
                 retry_after_s=5,
             )
 
-    async def _start(self, session: Session, language: Language, dependencies: dict[str, str], allowlist: Any) -> None:
-        interpreter = self.interpreter
+    async def _start(self, session: Session, lane: Lane, dependencies: dict[str, str], allowlist: Any) -> None:
+        interpreter, language = self.interpreter, lane.language
         request = session.config
-        image_ref = await interpreter.image.require()
+        image_ref = await lane.image.require()
         packages = await session.resources.enter_async_context(
-            interpreter.provide_packages(request.packages, dependencies, image_ref, session.owner)
+            interpreter.provide_packages(request.packages, dependencies, session.owner)
         )
         network = None
         if interpreter.network is not None and allowlist is not None:
             network = await session.resources.enter_async_context(
                 interpreter.network.for_execution(session.session_id, allowlist)
             )
-        warm = None
-        if request.memory_mb == interpreter.pool.memory_mb and not request.packages and network is None:
-            warm = await interpreter.pool.take_or_wait(image_ref)
+        warm = await interpreter.take_warm(lane, request.memory_mb, request.packages, network, image_ref)
         if warm is not None:
-            interpreter.pool.finished()  # a session keeps its container: the pool replaces it now
+            lane.pool.finished()  # a session keeps its container: the pool replaces it now
             prepared = warm.prepared
             session.container_path = "warm"
             session.security = warm.spec.security_context()
@@ -373,7 +374,7 @@ class Sessions:
             mounts = (*(network.mounts if network else ()), *((packages.mount(),) if packages else ()))
             spec = container_spec(
                 new_execution_id(), image_ref, request.memory_mb, interpreter.cpus, mounts=mounts,
-                workspace_mb=self.workspace_mb, runtime=await interpreter.runtime_in_force(image_ref),
+                workspace_mb=self.workspace_mb, runtime=await interpreter.runtime_in_force(),
                 language=language,
             )  # fmt: skip
             session.security = spec.security_context()

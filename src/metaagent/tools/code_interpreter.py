@@ -1,16 +1,20 @@
 """The code interpreter tool: untrusted code, one fresh locked-down container per execution.
 
 The request, its admission and audit are the same in every language; what the language contributes
-(its image, its runner, the refusal of one not served) comes from `metaagent.languages`, which sessions
-use too.
+(its image, its runner, its policy, the refusal of one not served) comes from `metaagent.languages`,
+which sessions use too. The interpreter holds one `Lane` per served language, its image and its warm
+pool, and every execution (one-shot or a session's start) goes through its request's lane: the same
+functions serve every lane. The admission (execution slots) is one for all of them, and the isolation
+runtime is chosen once, by a self-test in JavaScript's image.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,7 +25,7 @@ from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
 from metaagent.errors import AtCapacity, MetaAgentError, PackageRefused, RequestRefused, Unavailable
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
-from metaagent.languages import LanguageName, code_fields, served_language
+from metaagent.languages import JAVASCRIPT, Language, LanguageName, code_fields, served_language
 from metaagent.languages.container import container_spec
 from metaagent.packages.store import NO_PACKAGES, PackageStore, PreparedPackages
 from metaagent.sandbox.engine import ContainerSpec, Engine
@@ -76,7 +80,8 @@ class CodeInterpreterRequest(ToolRequest):
     stdin: str | None = Field(default=None, max_length=MAX_CODE_BYTES, description="Standard input for the program.")
     network: NetworkPolicy | None = Field(default=None, description="Egress for the code; null means no network.")
     language: LanguageName = Field(
-        default="javascript", description="javascript (Node.js 18); python is not served yet."
+        default="javascript",
+        description="javascript (Node.js 18) or python (Python 3.11 with numpy, pandas and matplotlib), if served.",
     )
     session_id: str | None = Field(
         default=None, max_length=64, description="Run in this session (see session_create); its state persists."
@@ -137,19 +142,39 @@ class Admission:
 
 
 def probe_spec(cpus: float) -> ProbeSpec:
-    """The runtime self-test's container: an execution's, with the default memory and `cpus`."""
+    """The runtime self-test's container: a JavaScript execution's, with the default memory and `cpus`
+    (in JavaScript's image, whichever languages are served)."""
     return lambda image_ref, runtime: container_spec(
-        new_execution_id(), image_ref, DEFAULT_MEMORY_MB, cpus, runtime=runtime
+        new_execution_id(), image_ref, DEFAULT_MEMORY_MB, cpus, runtime=runtime, language=JAVASCRIPT
     )
 
 
+def pool_memory_mb(language: Language) -> int:
+    """The memory of a language's warm containers: the default request's, or the language's least if more."""
+    return max(DEFAULT_MEMORY_MB, language.min_memory_mb)
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One served language's image and warm pool."""
+
+    language: Language
+    image: SandboxImage
+    pool: WarmPool
+
+
 class CodeInterpreter:
-    """Runs code in the language of its image (`image.language`), one-shot here and for sessions."""
+    """Runs code in the languages of its images (one lane each), one-shot here and for sessions.
+
+    `images` has one image per served language (JavaScript's among them: the runtime self-test and npm
+    packages use it); `pool_limits` are each lane's, by language name (none: no pool), as
+    `sandbox.sizing.pool_limits` makes them with the memory budget split among the lanes.
+    """
 
     def __init__(
         self,
         engine: Engine,
-        image: SandboxImage,
+        images: Sequence[SandboxImage],
         registry: ExecutionRegistry,
         audit: AuditLog,
         *,
@@ -158,13 +183,12 @@ class CodeInterpreter:
         cpus: float,
         grace_s: float,
         runtime: RuntimeChoice,
-        pool_limits: PoolLimits | None = None,
+        pool_limits: Mapping[str, PoolLimits] | None = None,
         packages: PackageStore | None = None,
         network: SandboxNetwork | None = None,
         workspace_mb: int = 100,
     ) -> None:
         self.engine = engine
-        self.image = image
         self.runtime = runtime
         self.registry = registry
         self.audit = audit
@@ -172,13 +196,18 @@ class CodeInterpreter:
         self.cpus = cpus
         self.grace_s = grace_s
         self.workspace_mb = workspace_mb
-        self.pool = WarmPool(
-            engine,
-            image,
-            limits=pool_limits or PoolLimits.off(),
-            memory_mb=DEFAULT_MEMORY_MB,
-            make_spec=self._pool_spec,
-        )
+        self.lanes: dict[str, Lane] = {}
+        for image in images:
+            pool = WarmPool(
+                engine,
+                image,
+                limits=(pool_limits or {}).get(image.language.name, PoolLimits.off()),
+                memory_mb=pool_memory_mb(image.language),
+                make_spec=self._pool_spec_of(image.language),
+            )
+            self.lanes[image.language.name] = Lane(image.language, image, pool)
+        if JAVASCRIPT.name not in self.lanes:
+            raise ValueError("the code interpreter needs JavaScript's image (its runtime self-test and packages)")
         self.packages = packages
         self.network = network
         self.closing = False
@@ -186,7 +215,8 @@ class CodeInterpreter:
     def close(self) -> None:
         """Refuses new executions and stops refilling the pool (at a shutdown signal)."""
         self.closing = True
-        self.pool.close()
+        for lane in self.lanes.values():
+            lane.pool.close()
         if self.packages is not None:
             self.packages.stop_installing()
 
@@ -198,21 +228,23 @@ class CodeInterpreter:
         Every refusal (400, 429, 503) is raised before `sink.started()`: after it, only failures.
         """
         self._refuse_if_closing()
-        language = served_language(request.language)
+        lane = self.lane(
+            request.language, memory_mb=request.memory_mb, packages=request.packages, network=request.network
+        )
         dependencies = self.check_packages(request.packages)
         allowlist = self.network_allowlist(request.network)
-        image_ref = await self.image.require()
-        runtime = await self.runtime_in_force(image_ref)
+        image_ref = await lane.image.require()
+        runtime = await self.runtime_in_force()
         outcome: Outcome | None = None
         error: str | None = None
         network: ExecutionNetwork | None = None
         # Packages are installed before the slot is taken: an install is not an execution's time.
         async with (
-            self.provide_packages(request.packages, dependencies, image_ref, caller) as packages,
+            self.provide_packages(request.packages, dependencies, caller) as packages,
             self.admission.slot() as queued_s,
         ):
             self._refuse_if_closing()  # the service may have begun to stop while this execution was queued
-            warm = await self._take_warm(request, image_ref)
+            warm = await self._take_warm(lane, request, image_ref)
             execution_id = warm.execution_id if warm else new_execution_id()
             execution = Execution(execution_id, request.timeout_s, request.memory_mb, caller=caller)
             if self.network is not None and allowlist is not None:
@@ -229,7 +261,7 @@ class CodeInterpreter:
                     mounts,
                     workspace_mb=self.workspace_mb,
                     runtime=runtime,
-                    language=language,
+                    language=lane.language,
                 )
             )
             self.registry.add(execution)
@@ -251,8 +283,8 @@ class CodeInterpreter:
             finally:
                 self.registry.discard(execution)
                 if warm is not None:
-                    self.pool.finished()
-                self._audit(request, execution, spec, warm is not None, outcome, error, packages, network)
+                    lane.pool.finished()
+                self._audit(request, lane, execution, spec, warm is not None, outcome, error, packages, network)
         return CodeInterpreterResponse(
             execution_id=execution.execution_id,
             exit_code=outcome.exit_code,
@@ -267,31 +299,56 @@ class CodeInterpreter:
             queued_ms=int(queued_s * 1000),
         )
 
-    async def runtime_in_force(self, image_ref: str) -> Runtime:
-        """The isolation runtime of every container of this interpreter (self-tested on first use)."""
+    @property
+    def javascript(self) -> Lane:
+        """JavaScript's lane: its image is the runtime self-test's and the npm packages' (always served)."""
+        return self.lanes[JAVASCRIPT.name]
+
+    def lane(self, name: str, *, memory_mb: int, packages: list[str], network: NetworkPolicy | None) -> Lane:
+        """The lane of a request's language; a 400 before anything starts for a language not served, or
+        for what the language does not support (packages, network, too little memory)."""
+        language = served_language(name, self.lanes)
+        language.check_request(memory_mb=memory_mb, packages=packages, network=network)
+        return self.lanes[language.name]
+
+    async def runtime_in_force(self) -> Runtime:
+        """The isolation runtime of every container of this interpreter, whatever its language
+        (self-tested on first use, in JavaScript's image)."""
+        if self.runtime.runtime is not None:
+            return self.runtime.runtime
+        image_ref = await self.javascript.image.require()
         return await self.runtime.require(self.engine, image_ref, probe_spec(self.cpus))
 
-    async def _pool_spec(self, execution_id: str, image_ref: str) -> ContainerSpec:
-        runtime = await self.runtime_in_force(image_ref)
-        return container_spec(
-            execution_id,
-            image_ref,
-            DEFAULT_MEMORY_MB,
-            self.cpus,
-            workspace_mb=self.workspace_mb,
-            runtime=runtime,
-            language=self.image.language,
-        )
+    def _pool_spec_of(self, language: Language) -> Callable[[str, str], Awaitable[ContainerSpec]]:
+        async def pool_spec(execution_id: str, image_ref: str) -> ContainerSpec:
+            return container_spec(
+                execution_id,
+                image_ref,
+                pool_memory_mb(language),
+                self.cpus,
+                workspace_mb=self.workspace_mb,
+                runtime=await self.runtime_in_force(),
+                language=language,
+            )
+
+        return pool_spec
 
     def _refuse_if_closing(self) -> None:
         if self.closing:
             raise Unavailable("The service is shutting down; retry on another instance")
 
-    async def _take_warm(self, request: CodeInterpreterRequest, image_ref: str) -> Warm | None:
-        """A pooled container when the request is for the pool's configuration (and one is ready)."""
-        if request.memory_mb != self.pool.memory_mb or request.packages or request.network is not None:
+    async def _take_warm(self, lane: Lane, request: CodeInterpreterRequest, image_ref: str) -> Warm | None:
+        """A pooled container of the request's lane when the request is for its pool's configuration."""
+        return await self.take_warm(lane, request.memory_mb, request.packages, request.network, image_ref)
+
+    async def take_warm(
+        self, lane: Lane, memory_mb: int, packages: list[str], network: object | None, image_ref: str
+    ) -> Warm | None:
+        """A warm container of `lane` for an execution or a session of its pool's configuration (no
+        packages, no network), or None: the cold path. A taken one is told back with `lane.pool.finished()`."""
+        if memory_mb != lane.pool.memory_mb or packages or network is not None:
             return None
-        return await self.pool.take_or_wait(image_ref)
+        return await lane.pool.take_or_wait(image_ref)
 
     def check_packages(self, requested: list[str]) -> dict[str, str]:
         """The npm dependencies a request's packages come to; a 400 before anything runs otherwise."""
@@ -307,11 +364,13 @@ class CodeInterpreter:
 
     @asynccontextmanager
     async def provide_packages(
-        self, requested: list[str], dependencies: dict[str, str], image: str, caller: str | None
+        self, requested: list[str], dependencies: dict[str, str], caller: str | None
     ) -> AsyncIterator[PreparedPackages | None]:
+        """The packages' volume (npm packages are JavaScript's: installed with JavaScript's image)."""
         if not dependencies or self.packages is None:
             yield None
             return
+        image = await self.javascript.image.require()
         async with self.packages.provide(requested, dependencies, image, caller) as prepared:
             yield prepared
 
@@ -326,6 +385,7 @@ class CodeInterpreter:
     def _audit(
         self,
         request: CodeInterpreterRequest,
+        lane: Lane,
         execution: Execution,
         spec: ContainerSpec,
         warm: bool,
@@ -367,8 +427,9 @@ class CodeInterpreter:
             network=network.audit_record() if network else None,
             container_id=execution.container_id,
             container_path="warm" if warm else "cold",
+            language=lane.language.name,
             image=spec.image,
-            image_id=self.image.image_id,
+            image_id=lane.image.image_id,
             security=spec.security_context(),
             outcome=result,
         )
