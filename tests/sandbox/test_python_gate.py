@@ -32,6 +32,9 @@ PATH_REFUSED = "ERR_METAAGENT_PATH_REFUSED"
 BLOCKED_API = "ERR_METAAGENT_BLOCKED_API"
 BLOCKED_MODULE = "ERR_METAAGENT_BLOCKED_MODULE"
 MEMORY_MB = 256  # Python's least (languages/python MIN_MEMORY_MB): the warm pool's containers have it
+# A bound, not a threshold: a run ends as soon as its program does. At 0.5 CPU on a busy machine under
+# runsc, a Python program that raises took over 5 s (the default) to exit.
+TIMEOUT_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +61,20 @@ def python_runtime(python_service: Service) -> Runtime:
 def run_py(python_service: Service) -> RunJs:
     run = code_runner(python_service)
 
-    def run_python(code: str, **fields: Any) -> Result:
-        return run(code, language="python", memory_mb=MEMORY_MB, **fields)
+    def run_python(code: str, timeout_s: int = TIMEOUT_S, **fields: Any) -> Result:
+        return run(code, language="python", memory_mb=MEMORY_MB, timeout_s=timeout_s, **fields)
 
     return run_python
 
 
+class PythonSessions(Sessions):
+    def run(self, session_id: str, code: str, timeout_s: int = TIMEOUT_S) -> dict[str, Any]:
+        return super().run(session_id, code, timeout_s)
+
+
 @pytest.fixture
 def py_sessions(python_service: Service) -> Iterator[Sessions]:
-    client = Sessions(python_service)
+    client = PythonSessions(python_service)
     yield client
     for record in client.request("GET", "/sessions").json()["sessions"]:
         client.close(record["session_id"])
@@ -513,7 +521,6 @@ def test_a_deep_repr_after_raising_the_recursion_limit_crashes_and_ends_the_sess
     answer = py_sessions.run(
         sid,
         "import sys\nsys.setrecursionlimit(10**7)\nnested = []\nfor _ in range(10**6):\n    nested = [nested]\nnested",
-        timeout_s=30,
     )
     assert answer["session_ended"] is True, answer
     assert answer["exit_code"] == 139, answer
@@ -534,7 +541,7 @@ except RuntimeError as exc:
 
 
 def test_a_thread_bomb_stops_at_the_process_limit(run_py: RunJs) -> None:
-    out = output_of(run_py(THREAD_BOMB, timeout_s=10))
+    out = output_of(run_py(THREAD_BOMB))
     assert "threads: can't start new thread" in out, out
     started = int(out.split("stopped after ")[1].split()[0])
     assert started < 64, out
@@ -564,7 +571,7 @@ def test_a_million_files_in_tmp_stop_at_the_inode_cap(run_py: RunJs, python_runt
 
 
 def test_a_two_gib_allocation_is_killed_at_the_memory_limit(run_py: RunJs, python_runtime: Runtime) -> None:
-    result = run_py('filled = b"x" * (2 << 30)\nprint("ESCAPED", len(filled))', timeout_s=30)
+    result = run_py('filled = b"x" * (2 << 30)\nprint("ESCAPED", len(filled))')
     assert "ESCAPED" not in result.stdout, result.body
     assert result.exit_code == 137, result.body
     if python_runtime is RUNC:  # under runsc the engine sometimes misses the OOM event (SECURITY.md, 4)
@@ -593,7 +600,7 @@ print("benign", int(frame.y.sum()), int(values.sum()), png[:4] == b"\\x89PNG")
 
 
 def test_csv_npy_and_png_files_work_in_tmp_in_a_run(run_py: RunJs) -> None:
-    result = run_py(DATA_WORK.replace("FOLDER", "'/tmp'"), timeout_s=30)
+    result = run_py(DATA_WORK.replace("FOLDER", "'/tmp'"))
     assert result.exit_code == 0, result.body
     assert "benign 15 10 True" in result.stdout, result.body
 
@@ -601,6 +608,6 @@ def test_csv_npy_and_png_files_work_in_tmp_in_a_run(run_py: RunJs) -> None:
 def test_csv_npy_and_png_files_work_in_the_workspace_and_tmp_in_a_session(py_sessions: Sessions) -> None:
     sid = python_session(py_sessions)
     for folder in ("'/workspace'", "'/tmp'", "'.'"):  # '.': the session's cwd is /workspace
-        answer = py_sessions.run(sid, DATA_WORK.replace("FOLDER", folder), timeout_s=30)
+        answer = py_sessions.run(sid, DATA_WORK.replace("FOLDER", folder))
         assert answer["error"] is None, answer
         assert "benign 15 10 True" in answer["stdout"], answer
