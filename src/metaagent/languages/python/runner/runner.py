@@ -135,6 +135,7 @@ HANDLED_EVENTS = frozenset(
         "import",
         "os.listdir",
         "os.scandir",
+        "os.chdir",
         "os.rename",
         "os.link",
         "os.symlink",
@@ -195,8 +196,11 @@ def make_gate(write_roots):
             return
 
         # The path an event names, made absolute against the real cwd and normalised lexically ('.' and
-        # '..' resolved, no symlink followed: the program can only make symlinks through os.symlink,
-        # whose target is checked below). None for an open file descriptor.
+        # '..' resolved, no symlink followed). That is sound only because the program can make no
+        # symlink (os.symlink and os.link are refused below: with a link /tmp/a/b/L -> /tmp, the lexical
+        # /tmp/a/b/L/../../proc/self/mem is /tmp/a/proc/self/mem) and can change its cwd only to where it
+        # may read (else a thread that flips the cwd to / between this check and the open makes a
+        # relative path checked against /tmp open /proc/self/mem). None for an open file descriptor.
         def checked_path(path, writing):
             if _type(path) is _int:
                 return None
@@ -272,6 +276,9 @@ def make_gate(write_roots):
         if event in ("os.listdir", "os.scandir"):
             checked_path(args[0] if _len(args) and args[0] is not None else ".", False)
             return
+        if event == "os.chdir":  # os.fchdir names a descriptor, which was opened through this gate
+            checked_path(args[0], False)
+            return
         if event in _path_write_events:
             checked_path(args[0], True)
             return
@@ -280,21 +287,11 @@ def make_gate(write_roots):
             checked_path(args[1], True)
             return
         if event == "os.link" or event == "os.symlink":
-            source, target = args[0], args[1]
-            if args[2:] != (None,) * (_len(args) - 2):
-                raise _permission(_eperm, f"ERR_METAAGENT_BLOCKED_API: {event} with dir_fd is refused here")
-            checked_path(target, True)
-            if event == "os.symlink" and _type(source) in (_str, _bytes) and _type(target) in (_str, _bytes):
-                # The link's target, resolved where the link will be, must be somewhere code may write.
-                if _type(source) is _bytes:
-                    source = _decode(source, "utf-8", "surrogateescape")
-                if _type(target) is _bytes:
-                    target = _decode(target, "utf-8", "surrogateescape")
-                if not _startswith(source, "/"):
-                    folder = _join("/", _split(target, "/")[:-1]) or "."
-                    source = folder + "/" + source
-            checked_path(source, True)
-            return
+            raise _permission(
+                _eperm,
+                f"ERR_METAAGENT_BLOCKED_API: {event} is refused here: paths are checked as written, so no "
+                "link may change where one leads; copy the file instead",
+            )
         if event == "os.kill" or event == "os.killpg":
             if event == "os.kill" and args[0] == _getpid():
                 return
