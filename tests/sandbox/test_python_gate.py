@@ -17,14 +17,13 @@ power it must not have, so a test fails on an escape even if the expected error 
 from __future__ import annotations
 
 import errno
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from metaagent.sandbox.runtime import RUNC, Runtime
-from tests.sandbox.conftest import Result, RunJs, Service, Sessions, code_runner, running_service, runtime_of
+from tests.sandbox.conftest import Result, RunJs, Service, Sessions, code_runner, runtime_of
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
 
@@ -35,21 +34,6 @@ MEMORY_MB = 256  # Python's least (languages/python MIN_MEMORY_MB): the warm poo
 # A bound, not a threshold: a run ends as soon as its program does. At 0.5 CPU on a busy machine under
 # runsc, a Python program that raises took over 5 s (the default) to exit.
 TIMEOUT_S = 30
-
-
-@pytest.fixture(scope="module")
-def python_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    """The service with Python served beside JavaScript, once Python's image is ready."""
-    workdir = tmp_path_factory.mktemp("python-service")
-    with running_service(workdir, METAAGENT_LANGUAGES="javascript,python") as service:
-        deadline = time.monotonic() + 600
-        while True:
-            images = service.get("/health").json()["checks"]["sandbox_image"].get("languages", {})
-            if images.get("python", {}).get("ok"):
-                break
-            assert time.monotonic() < deadline, f"Python's image was not ready within 600 s: {images}"
-            time.sleep(0.5)
-        yield service
 
 
 @pytest.fixture(scope="module")
