@@ -3,6 +3,7 @@ schemas of the session tools (session_create, session_close and the file tools),
 
 from __future__ import annotations
 
+import base64
 from datetime import datetime
 from typing import Any, Literal
 
@@ -87,6 +88,10 @@ class CallError(BaseModel):
 class ImageOut(BaseModel):
     mime: str = Field(description="The image's media type, e.g. image/png.")
     data: str = Field(description="The image's bytes, base64.")
+
+    def decoded(self) -> bytes:
+        """The image's bytes."""
+        return base64.b64decode(self.data)
 
 
 class SessionExecuteResponse(CodeInterpreterResponse):
