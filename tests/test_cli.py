@@ -227,3 +227,21 @@ def test_sandbox_prune_prunes_both_languages_images_and_nothing_else(
     old = [f"{IMAGE_REPOSITORY}:0.0.0-old", f"{PYTHON_IMAGE_REPOSITORY}:0.0.0-old"]
     assert fake.removed == old
     assert capsys.readouterr().out == "".join(f"removed {tag}\n" for tag in old) + "2 removed, 0 kept in use\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("notes.txt", (), "metaagent: cannot tell the language of notes.txt from its extension (.py, .js, .cjs, .mjs"),
+        ("Makefile", (), "give --language javascript or --language python"),
+        ("program.py", ("--language", "ruby"), "metaagent: unknown --language 'ruby'; give javascript or python"),
+    ],
+)
+def test_run_of_a_file_whose_language_it_cannot_tell_exits_2_naming_language(
+    tmp_path: Path, name: str, options: tuple[str, ...], message: str
+) -> None:
+    (tmp_path / name).write_text("print(1)\n")
+    result = run(tmp_path, "run", name, *options)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert result.stdout == ""

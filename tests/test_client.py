@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -21,8 +22,11 @@ from metaagent.client import (
     ExecutionInfo,
     ExecutionList,
     HttpResponse,
+    ImageOut,
     KillResult,
     SearchResponse,
+    SessionExecuteResponse,
+    SessionRecord,
 )
 from metaagent.errors import MetaAgentError, ServiceError
 from tests.conftest import make_settings
@@ -145,6 +149,19 @@ FETCHED = {
     "url": "https://x.example",
 }
 EMBEDDED = {"model": "m", "data": [{"index": 0, "embedding": [0.5]}], "usage": {"prompt_tokens": 1, "total_tokens": 1}}
+OPENED = {
+    "session_id": "ses_1",
+    "language": "python",
+    "memory_mb": 256,
+    "packages": [],
+    "network": None,
+    "idle_timeout_s": 60,
+    "created_at": "2026-12-01T15:45:19Z",
+    "last_used_at": "2026-12-01T15:45:19Z",
+    "expires_at": "2026-12-01T15:46:19Z",
+    "state": "idle",
+    "executions": 0,
+}
 RUNNING = {
     "execution_id": "a/b",
     "container_id": None,
@@ -173,6 +190,22 @@ RUNNING = {
             {"code": "console.log(1)", "timeout_s": 5, "packages": ["lodash"]},
             RAN,
             CodeInterpreterResponse,
+        ),
+        (
+            lambda c: c.code_interpreter("print(1)", language="python"),
+            "POST",
+            "/tools/code-interpreter",
+            {"code": "print(1)", "language": "python"},
+            RAN,
+            CodeInterpreterResponse,
+        ),
+        (
+            lambda c: c.create_session(language="python", idle_timeout_s=60),
+            "POST",
+            "/sessions",
+            {"language": "python", "idle_timeout_s": 60},
+            OPENED,
+            SessionRecord,
         ),
         (
             lambda c: c.call_tool("code_interpreter", {"code": "1"}),
@@ -234,6 +267,29 @@ def test_fields_a_newer_service_adds_are_ignored_and_a_malformed_answer_is_a_502
         malformed.code_interpreter("1")
     assert caught.value.status_code == 502
     assert "execution_id" in caught.value.message
+
+
+def test_a_python_session_call_answers_its_figures_as_typed_images_and_its_error_as_a_call_error() -> None:
+    png = b"\x89PNG\r\n\x1a\nfigure"
+    answer = {
+        **RAN,
+        "exit_code": 1,
+        "session_id": "ses_1",
+        "result": None,
+        "result_truncated": False,
+        "error": {"name": "ValueError", "message": "bad", "stack": "Traceback (most recent call last):\n..."},
+        "images": [{"mime": "image/png", "data": base64.b64encode(png).decode()}],
+        "images_truncated": False,
+        "session_ended": False,
+    }
+    with metaagent.Client("http://service.test", transport=mocked([], answer=answer)) as client:
+        ran = client.session_execute("ses_1", "plt.show(); raise ValueError('bad')")
+    assert isinstance(ran, SessionExecuteResponse)
+    assert ran.error is not None
+    assert ran.error.name == "ValueError"
+    (image,) = ran.images
+    assert isinstance(image, ImageOut)
+    assert (image.mime, image.decoded()) == ("image/png", png)
 
 
 async def test_the_async_client_answers_the_same_models() -> None:

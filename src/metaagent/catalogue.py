@@ -94,7 +94,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "/tools/code-interpreter",
         CodeInterpreterRequest,
         CodeInterpreterAnswer,  # a one-shot run's answer, or with session_id a session call's
-        "Run JavaScript in a fresh, isolated container",
+        "Run JavaScript or Python in a fresh, isolated container",
         _run_code,
         error_statuses=(400, 422, 429, 502, 503, 504),
         stream=_run_code,
@@ -108,7 +108,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         None,
         SessionCreateRequest,
         SessionRecord,
-        "Open a stateful JavaScript session with a private /workspace",
+        "Open a stateful JavaScript or Python session with a private /workspace",
         _invoke_session_create,
         error_statuses=(400, 422, 429, 503),
         effects=Effects(read_only=False),

@@ -122,11 +122,41 @@ def serve(
     GracefulServer(uvicorn_config(service, limits, host, port), service).run()
 
 
+# `metaagent run`'s language from the file's extension, when --language does not name it.
+LANGUAGE_OF_EXTENSION = {".py": "python", ".js": "javascript", ".cjs": "javascript", ".mjs": "javascript"}
+
+
+def language_of(file: Path, language: str | None) -> str:
+    """The language to run `file` in: `language` if given, else its extension's; exit 2 for another extension
+    or an unknown language."""
+    known_languages = sorted(set(LANGUAGE_OF_EXTENSION.values()))
+    if language is not None:
+        if language not in known_languages:
+            raise _fail(f"metaagent: unknown --language {language!r}; give {' or '.join(known_languages)}")
+        return language
+    found = LANGUAGE_OF_EXTENSION.get(file.suffix.lower())
+    if found is None:
+        known = ", ".join(LANGUAGE_OF_EXTENSION)
+        raise _fail(
+            f"metaagent: cannot tell the language of {file} from its extension ({known} are known); "
+            "give --language javascript or --language python"
+        )
+    return found
+
+
 @app.command()
 def run(
-    file: Annotated[Path, typer.Argument(help="JavaScript file to run (CommonJS).", exists=True, dir_okay=False)],
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="The file to run: JavaScript (.js, .cjs, .mjs; CommonJS) or Python (.py).", exists=True, dir_okay=False
+        ),
+    ],
     timeout: Annotated[int, typer.Option(min=1, max=300, help="Timeout in seconds.")] = 8,
     memory: Annotated[int, typer.Option(min=64, max=1024, help="Memory limit in MiB.")] = 256,
+    language: Annotated[
+        str | None, typer.Option(help="javascript or python (default: from the file's extension).")
+    ] = None,
 ) -> None:
     """Run a file in a fresh sandbox container, exactly as the code interpreter does; exit with its status."""
     import anyio
@@ -135,12 +165,14 @@ def run(
     from metaagent.audit import AuditLog
     from metaagent.errors import MetaAgentError, describe_validation_errors
     from metaagent.executions import ExecutionRegistry
+    from metaagent.languages import JAVASCRIPT, LANGUAGES
     from metaagent.sandbox.engine import Engine
-    from metaagent.sandbox.provision import SandboxImage
     from metaagent.sandbox.runtime import RuntimeChoice
+    from metaagent.services import sandbox_image
     from metaagent.tools.code_interpreter import CodeInterpreter, CodeInterpreterRequest
 
     settings = _settings()
+    chosen = LANGUAGES[language_of(file, language)]
     stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
     try:
         runtime = RuntimeChoice.parse(settings.sandbox_runtime)
@@ -148,7 +180,9 @@ def run(
         raise _fail(f"metaagent: {exc}") from None
     try:
         code = file.read_text(encoding="utf-8")
-        request = CodeInterpreterRequest(code=code, timeout_s=timeout, memory_mb=memory, stdin=stdin)
+        request = CodeInterpreterRequest(
+            code=code, timeout_s=timeout, memory_mb=memory, stdin=stdin, language=chosen.name
+        )
     except UnicodeDecodeError as exc:
         raise _fail(f"metaagent: {file} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
     except ValidationError as exc:
@@ -160,10 +194,13 @@ def run(
 
     async def execute() -> int:
         engine = Engine()
-        image = SandboxImage(engine, tag=settings.sandbox_image, cache_dir=settings.sandbox_cache_dir)
+        # JavaScript's image is always there (the runtime self-test's); the file's language's beside it if
+        # METAAGENT_LANGUAGES serves it (otherwise the interpreter refuses it, naming the setting).
+        served = [LANGUAGES[n] for n in settings.languages if n in (JAVASCRIPT.name, chosen.name)]
+        images = {lang.name: sandbox_image(engine, settings, lang) for lang in served}
         interpreter = CodeInterpreter(
             engine,
-            [image],
+            list(images.values()),
             ExecutionRegistry(),
             AuditLog(settings.audit_log),
             capacity=1,
@@ -173,7 +210,8 @@ def run(
             runtime=runtime,
         )
         try:
-            await image.refresh(build=settings.sandbox_build_on_start)
+            if chosen.name in images:
+                await images[chosen.name].refresh(build=settings.sandbox_build_on_start)
             result = await interpreter(request, caller="cli", sink=terminal)
         finally:
             engine.close()
@@ -229,10 +267,12 @@ def run(
 
 
 @app.command(
-    epilog="On a terminal a block ends with its line once its brackets, template literals and comments are "
-    "closed (until then the prompt is `... `; .break drops it). From a pipe or a file, a block is everything "
-    "up to a blank line. Ctrl-C interrupts a running call (on a terminal); .exit, Ctrl-D or the end of the "
-    "input closes the session."
+    epilog="On a terminal a JavaScript block ends with its line once its brackets, template literals and comments "
+    "are closed; a Python block as in Python's REPL (after a line ending in ':', a blank line ends it; an open "
+    "bracket continues). Until then the prompt is `... ` (.break drops it). From a pipe or a file, a block is "
+    "everything up to a blank line. A Python call's figures are saved in a temporary folder, each named on "
+    "stdout. Ctrl-C interrupts a running call (on a terminal); .exit, Ctrl-D or the end of the input closes "
+    "the session."
 )
 def repl(
     url: Annotated[str, typer.Option(envvar="METAAGENT_URL", help="The running service.")] = "http://127.0.0.1:3102",
@@ -246,12 +286,15 @@ def repl(
         int | None, typer.Option(min=10, max=3600, help="Close the session after this long idle (seconds).")
     ] = None,
     package: Annotated[list[str] | None, typer.Option(help="An npm package for the session (repeatable).")] = None,
+    language: Annotated[str, typer.Option(help="The session's language: javascript or python.")] = "javascript",
 ) -> None:
-    """A JavaScript REPL in a session of a running service: state persists from one input to the next."""
+    """A JavaScript or Python REPL in a session of a running service: state persists from one input to the next."""
     from metaagent.client import Client
-    from metaagent.repl import Repl
+    from metaagent.repl import DIALECTS, Repl
 
-    config = {"memory_mb": memory, "idle_timeout_s": idle_timeout, "packages": package or None}
+    if language not in DIALECTS:
+        raise _fail(f"metaagent: unknown --language {language!r}; give {' or '.join(DIALECTS)}")
+    config = {"language": language, "memory_mb": memory, "idle_timeout_s": idle_timeout, "packages": package or None}
     with Client(url, api_key=key) as client:
         session = Repl(client, config, timeout, interactive=sys.stdin is not None and sys.stdin.isatty())
         status = session.run()

@@ -5,6 +5,7 @@
     with Client() as client:  # METAAGENT_URL and METAAGENT_API_KEY, or Client(url, api_key="...")
         client.http("https://api.example.com/x").body
         client.call_tool("search", {"q": "mcp"})  # any tool by its name, as an agent asks for it: a dict
+        client.code_interpreter("print(6 * 7)", language="python").stdout  # JavaScript without `language`
 
 Every method returns the response's body as the service's own model (`HttpResponse`,
 `CodeInterpreterResponse`, `SessionExecuteResponse`, `SessionRecord`, `FileWritten`, `FileList`, ...,
@@ -46,11 +47,14 @@ from pydantic import BaseModel, ValidationError
 
 from metaagent.errors import ServiceError
 from metaagent.executions import ExecutionInfo, ExecutionList, KillResult
+from metaagent.languages import LanguageName
 from metaagent.sessions.models import (
+    CallError,
     FileDeleted,
     FileInfo,
     FileList,
     FileWritten,
+    ImageOut,
     SessionClosed,
     SessionEnding,
     SessionExecuteResponse,
@@ -65,6 +69,7 @@ from metaagent.tools.search import SearchResponse
 __all__ = [
     "AsyncClient",
     "AsyncSession",
+    "CallError",
     "Client",
     "CodeInterpreterResponse",
     "EmbeddingsResponse",
@@ -76,7 +81,9 @@ __all__ = [
     "FileWritten",
     "Finished",
     "HttpResponse",
+    "ImageOut",
     "KillResult",
+    "LanguageName",
     "NotFound",
     "Output",
     "OutputDropped",
@@ -311,9 +318,16 @@ def _code_call(
     packages: list[str] | None,
     stdin: str | None,
     network: dict[str, Any] | None,
+    language: LanguageName | None,
 ) -> _Call[CodeInterpreterResponse]:
     fields = _fields(
-        code=code, timeout_s=timeout_s, memory_mb=memory_mb, packages=packages, stdin=stdin, network=network
+        code=code,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        packages=packages,
+        stdin=stdin,
+        network=network,
+        language=language,
     )
     return _Call("POST", "/tools/code-interpreter", CodeInterpreterResponse.model_validate, fields)
 
@@ -383,9 +397,10 @@ class _Endpoints:
         packages: list[str] | None = None,
         stdin: str | None = None,
         network: dict[str, Any] | None = None,
+        language: LanguageName | None = None,
     ) -> _Call[CodeInterpreterResponse]:
-        """`POST /tools/code-interpreter`: run JavaScript in a fresh container."""
-        return _code_call(code, timeout_s, memory_mb, packages, stdin, network)
+        """`POST /tools/code-interpreter`: run code in a fresh container (JavaScript, or `language="python"`)."""
+        return _code_call(code, timeout_s, memory_mb, packages, stdin, network, language)
 
     @_endpoint
     def search(
@@ -444,13 +459,17 @@ class _Endpoints:
     def create_session(
         self,
         *,
+        language: LanguageName | None = None,
         memory_mb: int | None = None,
         packages: list[str] | None = None,
         network: dict[str, Any] | None = None,
         idle_timeout_s: int | None = None,
     ) -> _Call[SessionRecord]:
-        """`POST /sessions`: open a session; its record (`session_id`, `expires_at`...)."""
-        fields = _fields(memory_mb=memory_mb, packages=packages, network=network, idle_timeout_s=idle_timeout_s)
+        """`POST /sessions`: open a session (JavaScript, or `language="python"`); its record (`session_id`,
+        `language`, `expires_at`...)."""
+        fields = _fields(
+            language=language, memory_mb=memory_mb, packages=packages, network=network, idle_timeout_s=idle_timeout_s
+        )
         return _Call("POST", "/sessions", _model(SessionRecord), fields)
 
     @_endpoint
@@ -518,9 +537,10 @@ class Client(_Endpoints):
         packages: list[str] | None = None,
         stdin: str | None = None,
         network: dict[str, Any] | None = None,
+        language: LanguageName | None = None,
     ) -> Iterator[StreamEvent[CodeInterpreterResponse]]:
         """`POST /tools/code-interpreter` with `Accept: text/event-stream`: the output as it comes, then `Finished`."""
-        return self._stream(_code_call(code, timeout_s, memory_mb, packages, stdin, network))
+        return self._stream(_code_call(code, timeout_s, memory_mb, packages, stdin, network, language))
 
     def stream_session_execute(
         self, session_id: str, code: str, *, timeout_s: int | None = None
@@ -556,7 +576,8 @@ class Client(_Endpoints):
 
     @contextmanager
     def session(self, **config: Any) -> Iterator[Session]:
-        """A session for the block (`memory_mb`, `packages`, `network`, `idle_timeout_s`), closed after it."""
+        """A session for the block (`language`, `memory_mb`, `packages`, `network`, `idle_timeout_s`), closed after
+        it."""
         record = self.create_session(**config)
         session = Session(self, record.session_id)
         try:
@@ -609,9 +630,10 @@ class AsyncClient(_Endpoints):
         packages: list[str] | None = None,
         stdin: str | None = None,
         network: dict[str, Any] | None = None,
+        language: LanguageName | None = None,
     ) -> AsyncIterator[StreamEvent[CodeInterpreterResponse]]:
         """`POST /tools/code-interpreter` with `Accept: text/event-stream`: the output as it comes, then `Finished`."""
-        return self._stream(_code_call(code, timeout_s, memory_mb, packages, stdin, network))
+        return self._stream(_code_call(code, timeout_s, memory_mb, packages, stdin, network, language))
 
     def stream_session_execute(
         self, session_id: str, code: str, *, timeout_s: int | None = None
@@ -674,7 +696,9 @@ class Session:
         self.id = session_id
 
     def execute(self, code: str, *, timeout_s: int | None = None) -> SessionExecuteResponse:
-        """Runs code in the session; the answer has `result` (the last expression, as the REPL shows it)."""
+        """Runs code in the session; the answer has `result` (the last expression, as the language's REPL
+        shows it), `error` (a `CallError`) and `images` (a Python session's figures, each an `ImageOut`:
+        `.decoded()` is its bytes)."""
         return self.client.session_execute(self.id, code, timeout_s=timeout_s)
 
     def stream(self, code: str, *, timeout_s: int | None = None) -> Iterator[StreamEvent[SessionExecuteResponse]]:

@@ -1,14 +1,19 @@
-"""`metaagent repl`: an interactive JavaScript REPL in a session of a running service.
+"""`metaagent repl`: an interactive JavaScript or Python REPL in a session of a running service.
 
 The input is cut into blocks, one call each:
-- on a terminal, a block ends at the end of a line once every bracket, template literal and block comment
-  in it is closed, as the Node.js REPL decides for most input (`needs_more`); until then the prompt is
-  `... `. `.break` (or Ctrl-C) drops an unfinished block;
+- on a terminal, in JavaScript a block ends at the end of a line once every bracket, template literal and
+  block comment in it is closed, as the Node.js REPL decides for most input (`needs_more`); in Python as
+  Python's own REPL decides (`python_needs_more`, by `codeop.compile_command`): a line ending in `:` or
+  inside an open bracket or string continues, and a compound statement ends with a blank line. Until then
+  the prompt is `... `. `.break` (or Ctrl-C) drops an unfinished block;
 - from a pipe or a file, a block is everything up to a blank line.
 
 At the start it names the service it reached (its URL and version, from `GET /health`), or says that
 none answers there. Each call's output streams as it comes; then its `result` is printed the way the
-Node.js REPL prints it (`undefined` when the session answers none). `.exit` or the end of input closes
+language's REPL prints it (JavaScript: `undefined` when the session answers none; Python: the repr, nothing
+for None). A Python call's figures (`images`) are saved as files in a temporary folder of this REPL's, kept
+after it ends, and each is named on stdout: `[image 1: image/png, 23017 bytes: /tmp/metaagent-repl-.../ses_...-2-1.png]`
+(the session, the call's number, the figure's). `.exit` or the end of input closes
 the session, and so do Ctrl-C outside a terminal, SIGTERM and SIGHUP. On a terminal, Ctrl-C during a
 call interrupts the call (the client hangs up, which the service takes as an interrupt) and the session
 keeps its state.
@@ -16,11 +21,16 @@ keeps its state.
 
 from __future__ import annotations
 
+import ast
+import codeop
 import signal
 import sys
+import tempfile
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -31,7 +41,9 @@ from metaagent.errors import ServiceError
 from metaagent.terminal import Terminal
 
 PROMPT = "> "
+PYTHON_PROMPT = ">>> "
 CONTINUATION = "... "
+_EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/svg+xml": ".svg"}
 HELP = """.break   drop the unfinished block
 .exit    close the session and leave (as does Ctrl-D)
 .help    this list"""
@@ -101,6 +113,39 @@ def needs_more(source: str) -> bool:
         else:
             last, i = c, i + 1
     return bool(stack)
+
+
+# codeop's compiler with top-level await allowed, as the sessions run Python (`async for` at the prompt).
+_PYTHON_COMPILER = codeop.CommandCompiler()
+_PYTHON_COMPILER.compiler.flags |= ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+
+
+def python_needs_more(source: str) -> bool:
+    """True while `source` is an unfinished Python statement, as Python's REPL decides: a compound statement
+    until a blank line, an open bracket or triple-quoted string. Invalid input is complete: the service says
+    what is wrong."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a SyntaxWarning of the user's code is the service's to show
+        try:
+            return _PYTHON_COMPILER(source.removesuffix("\n"), "<input>", "single") is None
+        except (SyntaxError, ValueError, OverflowError):
+            return False
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What the REPL does differently per language: its prompt, when a block is complete, and what it shows
+    for a call without a result."""
+
+    prompt: str
+    needs_more: Callable[[str], bool]
+    no_result: str | None  # printed when `result` is null; None: nothing
+
+
+DIALECTS = {
+    "javascript": Dialect(PROMPT, needs_more, "undefined"),
+    "python": Dialect(PYTHON_PROMPT, python_needs_more, None),
+}
 
 
 def _skip_string(source: str, start: int) -> int:
@@ -180,6 +225,13 @@ class Repl:
     read_line: Callable[[str], str] = input
     terminal: Terminal = field(default_factory=Terminal)
     session_id: str = ""
+    language: str = "javascript"
+    calls: int = 0
+    images_dir: Path | None = None  # made at the first figure
+
+    @property
+    def dialect(self) -> Dialect:
+        return DIALECTS[self.language]
 
     def run(self) -> int:
         """The exit status: 0, the status of a call that ended the session, 1 when the service refused or
@@ -190,6 +242,7 @@ class Repl:
             return 1
         try:
             record = self.client.create_session(**self.session_config)
+            self.language = record.language
         except ServiceError as exc:
             self.terminal.say(f"no session: {exc.message}")
             return 1
@@ -199,7 +252,8 @@ class Repl:
         self.session_id = record.session_id
         ends = ".exit or Ctrl-D closes it" if self.interactive else "the end of the input closes it"
         self.terminal.say(
-            f"session {self.session_id} (memory {record.memory_mb} MiB, idle timeout {record.idle_timeout_s} s); {ends}"
+            f"session {self.session_id} ({record.language}, memory {record.memory_mb} MiB, "
+            f"idle timeout {record.idle_timeout_s} s); {ends}"
         )
         try:
             return self._calls()
@@ -247,7 +301,7 @@ class Repl:
         interrupted = False
         while True:
             try:
-                line = self.read_line(CONTINUATION if lines else PROMPT)
+                line = self.read_line(CONTINUATION if lines else self.dialect.prompt)
             except EOFError:
                 sys.stdout.write("\n")
                 return
@@ -270,7 +324,7 @@ class Repl:
                 continue
             lines.append(line + "\n")
             block = "".join(lines)
-            if block.strip() and not needs_more(block):
+            if block.strip() and not self.dialect.needs_more(block):
                 lines = []
                 yield block
             elif not block.strip():
@@ -279,6 +333,7 @@ class Repl:
     def _call(self, code: str) -> int | None:
         """Runs one block; None to go on, or the REPL's exit status."""
         self.terminal.begin()
+        self.calls += 1
         result: SessionExecuteResponse | None = None
         try:
             for event in self.client.stream_session_execute(self.session_id, code, timeout_s=self.timeout_s):
@@ -305,12 +360,15 @@ class Repl:
         return self._show(result) if result is not None else None
 
     def _show(self, result: SessionExecuteResponse) -> int | None:
-        """Prints what the stream did not bring, then the result as node's REPL does; the status if it ended."""
+        """Prints what the stream did not bring, then the result as the language's REPL does, and names the
+        saved figures; the status if it ended."""
         self.terminal.finish({"stdout": result.stdout, "stderr": result.stderr})
         if result.exit_code == 0:
-            shown = result.result
-            newline = "" if self.terminal.at_line_start else "\n"
-            self.terminal.output("stdout", f"{newline}{'undefined' if shown is None else shown}\n")
+            shown = result.result if result.result is not None else self.dialect.no_result
+            if shown is not None:
+                newline = "" if self.terminal.at_line_start else "\n"
+                self.terminal.output("stdout", f"{newline}{shown}\n")
+        self._save_images(result)
         if result.timed_out:
             self.terminal.say(f"interrupted at the timeout ({self.timeout_s} s)")
         elif result.killed:
@@ -324,6 +382,19 @@ class Repl:
             self.terminal.say(exc.message if isinstance(exc, ServiceError) else "the session ended")
         code = result.exit_code
         return code if code is not None and code != 0 else 1
+
+    def _save_images(self, result: SessionExecuteResponse) -> None:
+        """Saves each figure of the call in this REPL's folder and names it on stdout."""
+        for number, image in enumerate(result.images, 1):
+            if self.images_dir is None:
+                self.images_dir = Path(tempfile.mkdtemp(prefix="metaagent-repl-"))
+            data = image.decoded()
+            path = self.images_dir / f"{self.session_id}-{self.calls}-{number}{_EXTENSIONS.get(image.mime, '')}"
+            path.write_bytes(data)
+            newline = "" if self.terminal.at_line_start else "\n"
+            self.terminal.output("stdout", f"{newline}[image {number}: {image.mime}, {len(data)} bytes: {path}]\n")
+        if result.images_truncated:
+            self.terminal.say("more figures were left out (at most 8 per call, 4 MiB in all)")
 
     def _close(self) -> None:
         """Closes the session, whatever ended the REPL; a second Ctrl-C cannot cut this short."""

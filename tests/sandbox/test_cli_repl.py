@@ -197,3 +197,56 @@ def test_on_a_terminal_prompts_continue_open_blocks_and_ctrl_c_interrupts_a_call
         terminal.read_until(f"metaagent: session {session_id} closed\n")
         assert terminal.process.wait(timeout=60) == 0
     assert_closed(sandbox_service, session_id)
+
+
+IMAGE_LINE = re.compile(r"^\[image 1: image/png, (\d+) bytes: (/\S+\.png)\]$", re.MULTILINE)
+
+
+def test_a_python_repl_shows_reprs_nothing_for_none_and_saves_each_figure_naming_it(
+    python_service: Service, tmp_path: Path
+) -> None:
+    blocks = (
+        "x = 41\n\nprint('hi')\nx + 1\n\n'a'\n\n"
+        "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()\n\nraise ValueError('bad')\n\nx\n"
+    )
+    result = subprocess.run(
+        repl_args(python_service, "--language", "python"),
+        cwd=tmp_path,
+        env=clean_env(tmp_path),
+        input=blocks,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    image = IMAGE_LINE.search(result.stdout)
+    assert image, result.stdout
+    assert result.stdout == f"hi\n42\n'a'\n{image.group(0)}\n41\n"  # `x = 41` and plt.show() show nothing
+    saved = Path(image.group(2))
+    assert saved.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert saved.stat().st_size == int(image.group(1))
+    assert "ValueError: bad" in result.stderr
+    session_id = session_of(result.stderr)
+    assert f"metaagent: session {session_id} (python, memory 256 MiB" in result.stderr
+    assert_closed(python_service, session_id)
+
+
+def test_on_a_terminal_python_prompts_continue_a_compound_statement_until_a_blank_line(
+    python_service: Service, tmp_path: Path
+) -> None:
+    with on_a_terminal(repl_args(python_service, "--language", "python"), tmp_path) as terminal:
+        session_id = session_of(terminal.read_until(">>> "))
+        terminal.write("def twice(a):\n")
+        terminal.read_until("... ")  # a line ending in ':' continues
+        terminal.write("    return a * 2\n")
+        terminal.read_until("... ")  # until a blank line
+        terminal.write("\n")
+        terminal.read_until(">>> ")
+        terminal.write("twice(\n")
+        terminal.read_until("... ")  # an open bracket continues
+        terminal.write("21)\n")
+        assert terminal.read_until(">>> ").endswith("42\n>>> ")
+        terminal.write(".exit\n")
+        terminal.read_until(f"metaagent: session {session_id} closed\n")
+        assert terminal.process.wait(timeout=60) == 0
+    assert_closed(python_service, session_id)

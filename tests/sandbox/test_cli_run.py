@@ -1,4 +1,4 @@
-"""`metaagent run FILE.js`: the same engine and sandbox as the code interpreter, from the command line."""
+"""`metaagent run FILE.js` (or FILE.py): the same engine and sandbox as the code interpreter, from the command line."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ from tests.test_cli import METAAGENT, clean_env
 pytestmark = pytest.mark.docker
 
 
-def metaagent_run(tmp_path: Path, code: str, *options: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    program = tmp_path / "program.js"
+def metaagent_run(
+    tmp_path: Path, code: str, *options: str, stdin: str = "", name: str = "program.js", **env: str
+) -> subprocess.CompletedProcess[str]:
+    program = tmp_path / name
     program.write_text(code)
     return subprocess.run(
         [*METAAGENT, "run", str(program), *options],
         cwd=tmp_path,
-        env=clean_env(tmp_path),
+        env=clean_env(tmp_path, **env),
         input=stdin,
         capture_output=True,
         text=True,
@@ -122,3 +124,29 @@ def test_run_stops_quietly_with_141_when_its_reader_goes_away(
     assert process.returncode == 141  # 128 + SIGPIPE, as a shell reports a program ended by it
     assert err == ""  # no traceback, no message: a pipeline's reader leaving is no error
     assert owned_containers(docker_client, process.pid) == []
+
+
+def test_run_of_a_py_file_runs_python_with_its_stdin_and_exits_with_its_status(
+    python_service: Service, tmp_path: Path
+) -> None:
+    # python_service: only so that Python's image is there.
+    code = "import os, sys\nprint(sys.stdin.read().upper(), os.getuid(), sys.version_info[:2])\nsys.exit(3)\n"
+    result = metaagent_run(tmp_path, code, stdin="piped in", name="program.py")
+    assert result.returncode == 3, result.stderr
+    assert result.stdout == "PIPED IN 1001 (3, 11)\n"
+
+
+def test_run_with_language_overrides_the_extension_and_python_errors_come_as_cpythons_traceback(
+    python_service: Service, tmp_path: Path
+) -> None:
+    result = metaagent_run(tmp_path, "print(1 / 0)\n", "--language", "python", name="script.txt")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith("Traceback (most recent call last):\n")
+    assert result.stderr.endswith("ZeroDivisionError: division by zero\n")
+
+
+def test_run_of_a_py_file_where_python_is_not_served_names_the_setting(python_service: Service, tmp_path: Path) -> None:
+    result = metaagent_run(tmp_path, "print(1)\n", name="program.py", METAAGENT_LANGUAGES="javascript")
+    assert result.returncode == 1
+    assert result.stderr.startswith("metaagent: Language 'python' is not served here (METAAGENT_LANGUAGES=javascript)")

@@ -44,6 +44,7 @@ SECTION_ENV = {
     "Network for sandboxed code": {"ALLOW_HTTP_HOSTS": '["127.0.0.1", "*.example.com"]'},
     "Access": {"METAAGENT_API_KEYS": "alice:7q3vN8c2LxWfRk1pZs9TbYd4"},
     "Python": {"METAAGENT_LANGUAGES": "javascript,python"},
+    "`metaagent repl`": {"METAAGENT_LANGUAGES": "javascript,python"},  # its last example is a Python session
 }
 RUN = [b for b in blocks() if b.kind in ("console", "python", "json") and not b.is_output]
 

@@ -3,37 +3,44 @@ schemas of the session tools (session_create, session_close and the file tools),
 
 from __future__ import annotations
 
+import base64
 from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, create_model
 
 from metaagent.languages import LanguageName
-from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB, MAX_CODE_BYTES, CodeInterpreterResponse, NetworkPolicy
+from metaagent.tools.code_interpreter import (
+    DEFAULT_MEMORY_MB,
+    LANGUAGE_DESCRIPTION,
+    MAX_CODE_BYTES,
+    MEMORY_DESCRIPTION,
+    NETWORK_DESCRIPTION,
+    PACKAGES_DESCRIPTION,
+    CodeInterpreterResponse,
+    NetworkPolicy,
+)
 from metaagent.validation import ToolRequest
 
 SessionState = Literal["idle", "busy"]
 
 
 class SessionCreateRequest(ToolRequest):
-    """Open a session: one long-lived, isolated JavaScript (Node.js 18) context for several calls.
+    """Open a session: one long-lived, isolated context for several calls, in JavaScript (Node.js 18, the
+    default) or Python (language "python": Python 3.11 with numpy, pandas, scipy and matplotlib).
 
     What one call defines (variables, functions, classes, imports) later calls see; top-level await
-    works; each call answers the value of its last expression as `result`. The session has a private
-    /workspace (its cwd; upload and download files there), and fs works inside /workspace and /tmp.
+    works; each call answers the value of its last expression as `result`, and in Python the matplotlib
+    figures it shows (or leaves open) as `images`. The session has a private /workspace (its cwd; upload
+    and download files there), and files work inside /workspace and /tmp.
     Run code in it with code_interpreter and its session_id; close it with session_close when done (it
     also ends after idle_timeout_s without a call).
     """
 
-    language: LanguageName = Field(
-        default="javascript",
-        description="javascript (Node.js 18) or python (Python 3.11 with numpy, pandas and matplotlib), if served.",
-    )
-    memory_mb: int = Field(default=DEFAULT_MEMORY_MB, ge=64, le=1024, description="Memory limit in MiB (no swap).")
-    packages: list[str] = Field(
-        default_factory=list, max_length=16, description="npm packages from the package allow-list."
-    )
-    network: NetworkPolicy | None = Field(default=None, description="Egress for the code; null means no network.")
+    language: LanguageName = Field(default="javascript", description=LANGUAGE_DESCRIPTION)
+    memory_mb: int = Field(default=DEFAULT_MEMORY_MB, ge=64, le=1024, description=MEMORY_DESCRIPTION)
+    packages: list[str] = Field(default_factory=list, max_length=16, description=PACKAGES_DESCRIPTION)
+    network: NetworkPolicy | None = Field(default=None, description=NETWORK_DESCRIPTION)
     idle_timeout_s: int = Field(
         default=600, ge=10, le=3600, description="The session ends this long (seconds) after its last use."
     )
@@ -60,7 +67,7 @@ class SessionList(BaseModel):
 class SessionExecuteRequest(ToolRequest):
     """Run code in the session's context: its state persists from call to call."""
 
-    code: str = Field(min_length=1, max_length=MAX_CODE_BYTES, description="JavaScript source.")
+    code: str = Field(min_length=1, max_length=MAX_CODE_BYTES, description="Source code in the session's language.")
     timeout_s: int = Field(default=8, ge=1, le=300, description="Wall-clock limit of this call in seconds.")
 
 
@@ -69,25 +76,37 @@ class CallError(BaseModel):
     4 KiB), or one of the names Timeout, Killed, OutOfMemory, Exited for a call that did not complete."""
 
     name: str = Field(
-        description="The thrown error's own name (TypeError, ...; ThrownValue for a thrown non-Error), "
-        "or Timeout, Killed, OutOfMemory or Exited."
+        description="The thrown error's own name (TypeError, ValueError, ...; in JavaScript ThrownValue for a "
+        "thrown non-Error), or Timeout, Killed, OutOfMemory or Exited."
     )
     message: str = Field(description="What happened, and what to do about it.")
-    stack: str | None = Field(default=None, description="The thrown error as printed; null for the other kinds.")
+    stack: str | None = Field(
+        default=None, description="The thrown error as printed (in Python, its traceback); null for the other kinds."
+    )
 
 
 class ImageOut(BaseModel):
     mime: str = Field(description="The image's media type, e.g. image/png.")
     data: str = Field(description="The image's bytes, base64.")
 
+    def decoded(self) -> bytes:
+        """The image's bytes."""
+        return base64.b64decode(self.data)
+
 
 class SessionExecuteResponse(CodeInterpreterResponse):
     session_id: str
-    result: str | None = Field(description="The value of the last expression, as the Node.js REPL shows it.")
+    result: str | None = Field(
+        description="The value of the last expression, as the session's language shows it: in JavaScript as the "
+        "Node.js REPL does (null for undefined); in Python its repr, as IPython shows it (null for None or no "
+        "expression)."
+    )
     result_truncated: bool = Field(description="The result is not the whole value (it was cut at the 50 KiB cap).")
     error: CallError | None = Field(description="Null when the call completed normally; otherwise why it did not.")
     images: list[ImageOut] = Field(
-        default_factory=list, description="Figures the call displayed (at most 8, 4 MiB in all); empty for JavaScript."
+        default_factory=list,
+        description="Figures the call displayed (at most 8, 4 MiB in all): in Python the matplotlib figures it "
+        "showed or left open; always empty in JavaScript.",
     )
     images_truncated: bool = Field(default=False, description="Figures past the limits were left out.")
     session_ended: bool = Field(description="The call ended the session (its process exited, or it was killed).")
@@ -178,7 +197,8 @@ class SessionReadFileRequest(ToolRequest):
 
 class SessionWriteFileRequest(ToolRequest):
     """Write a file into a session's /workspace (at most 1 MiB), creating its folders; an existing file is
-    replaced. Code in the session then reads it with fs, relative to its cwd /workspace."""
+    replaced. Code in the session then reads it (fs in JavaScript, open() in Python) relative to its cwd
+    /workspace."""
 
     session_id: str = Field(max_length=64)
     path: str = Field(min_length=1, max_length=1024, description=_PATH)

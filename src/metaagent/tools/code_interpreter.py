@@ -25,7 +25,7 @@ from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
 from metaagent.errors import AtCapacity, MetaAgentError, PackageRefused, RequestRefused, Unavailable
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
-from metaagent.languages import JAVASCRIPT, Language, LanguageName, code_fields, served_language
+from metaagent.languages import JAVASCRIPT, PYTHON, Language, LanguageName, code_fields, served_language
 from metaagent.languages.container import container_spec
 from metaagent.packages.store import NO_PACKAGES, PackageStore, PreparedPackages
 from metaagent.sandbox.engine import ContainerSpec, Engine
@@ -52,37 +52,48 @@ class NetworkPolicy(ToolRequest):
     )
 
 
+# The fields a one-shot run and a session's creation share, described once.
+MEMORY_DESCRIPTION = f"Memory limit in MiB (no swap); Python needs at least {PYTHON.min_memory_mb}."
+PACKAGES_DESCRIPTION = "npm packages from the package allow-list (JavaScript only)."
+NETWORK_DESCRIPTION = "Egress for the code (JavaScript only); null means no network."
+LANGUAGE_DESCRIPTION = (
+    "javascript (Node.js 18) or python (Python 3.11 with numpy, pandas, scipy and matplotlib), if served."
+)
+
 # Set when the session is created; a call into a session leaves them out (or null).
 SESSION_OWNED_FIELDS = ("memory_mb", "packages", "network", "language", "stdin")
 
 
 class CodeInterpreterRequest(ToolRequest):
-    """Run JavaScript (a CommonJS script on Node.js 18) in a fresh, isolated container and return its output.
+    """Run code in a fresh, isolated container and return its output: JavaScript (a CommonJS script on Node.js 18,
+    the default) or, with language "python", Python 3.11 with numpy, pandas, scipy and matplotlib.
 
     The container has no network, a read-only file system except a 100 MB /tmp, no privileges, and
-    limits on memory, CPU, processes and open files. Core modules that reach the file system, other
-    programs or raw sockets (fs, child_process, net, ...) are blocked. With `network`, http, https and
-    fetch reach the listed hosts (and only those). Print results with console.log.
+    limits on memory, CPU, processes and open files. JavaScript: core modules that reach the file system,
+    other programs or raw sockets (fs, child_process, net, ...) are blocked; with `network`, http, https and
+    fetch reach the listed hosts (and only those); print results with console.log. Python: it may write
+    only in /tmp, `packages` and `network` are not supported (they are JavaScript's), and print results
+    with print().
 
-    With `session_id` (from session_create), the code runs in that session instead: variables,
-    functions and imports of earlier calls are still there, top-level await works, the value of the last
-    expression comes back as `result`, and fs works inside /workspace (the cwd, where uploaded files are)
-    and /tmp. memory_mb, packages, network, language and stdin are the session's then: leave them out
-    or null (or give the session's own value).
+    With `session_id` (from session_create), the code runs in that session instead, in the session's
+    language: variables, functions and imports of earlier calls are still there, top-level await works,
+    the value of the last expression comes back as `result` (and a Python session's matplotlib figures as
+    `images`), and files work inside /workspace (the cwd, where uploaded files are) and /tmp. memory_mb,
+    packages, network, language and stdin are the session's then: leave them out or null (or give the
+    session's own value).
     """
 
-    code: str = Field(min_length=1, max_length=MAX_CODE_BYTES, description="JavaScript source (CommonJS).")
+    code: str = Field(
+        min_length=1,
+        max_length=MAX_CODE_BYTES,
+        description="Source code in `language`: JavaScript (CommonJS) or Python.",
+    )
     timeout_s: int = Field(default=8, ge=1, le=300, description="Wall-clock limit in seconds.")
-    memory_mb: int = Field(default=DEFAULT_MEMORY_MB, ge=64, le=1024, description="Memory limit in MiB (no swap).")
-    packages: list[str] = Field(
-        default_factory=list, max_length=16, description="npm packages from the package allow-list."
-    )
+    memory_mb: int = Field(default=DEFAULT_MEMORY_MB, ge=64, le=1024, description=MEMORY_DESCRIPTION)
+    packages: list[str] = Field(default_factory=list, max_length=16, description=PACKAGES_DESCRIPTION)
     stdin: str | None = Field(default=None, max_length=MAX_CODE_BYTES, description="Standard input for the program.")
-    network: NetworkPolicy | None = Field(default=None, description="Egress for the code; null means no network.")
-    language: LanguageName = Field(
-        default="javascript",
-        description="javascript (Node.js 18) or python (Python 3.11 with numpy, pandas and matplotlib), if served.",
-    )
+    network: NetworkPolicy | None = Field(default=None, description=NETWORK_DESCRIPTION)
+    language: LanguageName = Field(default="javascript", description=LANGUAGE_DESCRIPTION)
     session_id: str | None = Field(
         default=None, max_length=64, description="Run in this session (see session_create); its state persists."
     )
