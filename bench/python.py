@@ -13,9 +13,11 @@ and what `import pandas` costs in a warm runner against a cold interpreter, per 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +28,7 @@ from bench.stats import Summary, ratio
 POOLED = "pooled print(1), pool ready"
 BACK_TO_BACK = "pooled print(1), back to back"
 SESSION_CALL = "session call 1+1"
-BARE = "python3 -c pass (host)"
+BARE = "python3 -c pass (host, /usr/bin/python3)"
 TIMED_IMPORT = "import time\nt = time.perf_counter()\nimport pandas\nprint((time.perf_counter() - t) * 1000)"
 COLD_IMPORT = (
     "import sys, time\nsys.path.append('/usr/lib/python3/dist-packages')\n"
@@ -77,6 +79,16 @@ class PythonService:
         return answer
 
 
+def host_python() -> str:
+    """The host's own interpreter: Debian's, the one the sandbox image also runs, when it is there. Not
+    whatever `python3` on the PATH is: a version manager's shim (pyenv's) starts a shell and costs ten
+    times the interpreter's start."""
+    if os.access("/usr/bin/python3", os.X_OK):
+        return "/usr/bin/python3"
+    found = shutil.which("python3")
+    return os.path.realpath(found) if found else sys.executable
+
+
 def _timed(call: Callable[[], object]) -> float:
     started = time.perf_counter()
     call()
@@ -97,7 +109,7 @@ def _cold_import_ms(image: str, runtime: str) -> float:
 def measure(
     service: BenchService, *, image: str, runtime: str, rounds: int, warmup: int, progress: Callable[[str], None]
 ) -> dict[str, Any]:
-    python = shutil.which("python3") or "/usr/bin/python3"
+    python = host_python()
     caller = PythonService(service)
     caller.wait_python_pool()
     session_id = caller.session()
