@@ -160,6 +160,17 @@ GATE_CASES = {
         "os.open('../proc/self/mem', os.O_RDWR, dir_fd=folder)",
         f"PermissionError: [Errno 13] {PATH_REFUSED}: a relative path with '..' is refused here",
     ),
+    # The image's own links (/usr/share/zoneinfo/posix/Europe -> ../Europe) make a lexical '..' lie: this
+    # path reads as /usr/share/zoneinfo and opens /, and a relative path under that dir_fd is checked
+    # against the cwd: it opened the supervisor's memory read-write (runc; runsc refuses that open).
+    "image_link_dotdot_to_root": (
+        "import os\n"
+        "up = '/usr/share/zoneinfo/posix/Europe' + '/../posix/Europe' * 4 + '/..' * 4\n"
+        "root = os.open(up, os.O_RDONLY | os.O_DIRECTORY)\n"
+        "os.open(f'proc/{os.getppid()}/mem', os.O_RDWR, dir_fd=root)\n"
+        "print('ESCAPED')",
+        f"PermissionError: [Errno 13] {PATH_REFUSED}: '..' is refused here outside /tmp and /workspace",
+    ),
     "gc_get_objects": ("import gc\ngc.get_objects()", f"PermissionError: [Errno 1] {BLOCKED_API}: gc.get_objects is"),
     "sys_settrace": (
         "import sys\nsys.settrace(lambda *args: None)",
