@@ -523,6 +523,26 @@ def test_a_deep_repr_after_raising_the_recursion_limit_crashes_and_ends_the_sess
     assert gone.status_code == 410, gone.text
 
 
+def test_an_answer_of_millions_of_values_ends_the_program_not_the_supervisor(py_sessions: Sessions) -> None:
+    """Any frame on fd 3 is parsed before its token is checked: 8 MiB of `[],` made JSON.parse exhaust the
+    supervisor's 48 MiB heap, and V8 aborted it (134). Now such an answer breaks the protocol: the
+    supervisor kills the program (137) and says why."""
+    sid = python_session(py_sessions)
+    answer = py_sessions.run(
+        sid,
+        "import os\n"
+        "body = b'[' + b'[],' * 2_700_000 + b'[]]'\n"
+        "view = memoryview(b'r' + len(body).to_bytes(4, 'big') + body)\n"
+        "while view:\n"
+        "    view = view[os.write(3, view):]\n"
+        "import time\n"
+        "time.sleep(3)",
+    )
+    assert answer["session_ended"] is True, answer
+    assert answer["exit_code"] == 137, answer
+    assert "the program broke its protocol (an answer of too many values)" in answer["stderr"], answer
+
+
 THREAD_BOMB = """
 import threading, time
 started = 0
