@@ -171,6 +171,11 @@ GATE_CASES = {
         "print('ESCAPED')",
         f"PermissionError: [Errno 13] {PATH_REFUSED}: '..' is refused here outside /tmp and /workspace",
     ),
+    # resource.prlimit of the parent (same uid) had no rule: a CPU limit of 0 killed the supervisor (137).
+    "prlimit_of_the_supervisor": (
+        "import os, resource\nresource.prlimit(os.getppid(), resource.RLIMIT_CPU, (0, 0))\nprint('ESCAPED')",
+        f"PermissionError: [Errno 1] {BLOCKED_API}: resource.prlimit is refused here for another process",
+    ),
     "gc_get_objects": ("import gc\ngc.get_objects()", f"PermissionError: [Errno 1] {BLOCKED_API}: gc.get_objects is"),
     "sys_settrace": (
         "import sys\nsys.settrace(lambda *args: None)",

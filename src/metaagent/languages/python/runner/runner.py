@@ -147,6 +147,7 @@ HANDLED_EVENTS = frozenset(
         "os.symlink",
         "os.kill",
         "os.killpg",
+        "resource.prlimit",
         "urllib.Request",
         *PROCESS_EVENTS,
         *INTROSPECTION_EVENTS,
@@ -318,6 +319,10 @@ def make_gate(write_roots):
             if event == "os.kill" and args[0] == _getpid():
                 return
             raise _permission(_eperm, f"ERR_METAAGENT_BLOCKED_API: {event} is refused here: signal only this process")
+        if event == "resource.prlimit":  # another process's limits: a CPU limit of 0 kills the supervisor
+            if args[0] == 0 or args[0] == _getpid():
+                return
+            raise _permission(_eperm, "ERR_METAAGENT_BLOCKED_API: resource.prlimit is refused here for another process")
         if event == "socket.__new__":
             if _len(args) > 1 and args[1] == 1:  # AF_UNIX: socketpair, which asyncio's event loop needs
                 return
