@@ -160,6 +160,22 @@ GATE_CASES = {
         "os.open('../proc/self/mem', os.O_RDWR, dir_fd=folder)",
         f"PermissionError: [Errno 13] {PATH_REFUSED}: a relative path with '..' is refused here",
     ),
+    # The image's own links (/usr/share/zoneinfo/posix/Europe -> ../Europe) make a lexical '..' lie: this
+    # path reads as /usr/share/zoneinfo and opens /, and a relative path under that dir_fd is checked
+    # against the cwd: it opened the supervisor's memory read-write (runc; runsc refuses that open).
+    "image_link_dotdot_to_root": (
+        "import os\n"
+        "up = '/usr/share/zoneinfo/posix/Europe' + '/../posix/Europe' * 4 + '/..' * 4\n"
+        "root = os.open(up, os.O_RDONLY | os.O_DIRECTORY)\n"
+        "os.open(f'proc/{os.getppid()}/mem', os.O_RDWR, dir_fd=root)\n"
+        "print('ESCAPED')",
+        f"PermissionError: [Errno 13] {PATH_REFUSED}: '..' is refused here outside /tmp and /workspace",
+    ),
+    # resource.prlimit of the parent (same uid) had no rule: a CPU limit of 0 killed the supervisor (137).
+    "prlimit_of_the_supervisor": (
+        "import os, resource\nresource.prlimit(os.getppid(), resource.RLIMIT_CPU, (0, 0))\nprint('ESCAPED')",
+        f"PermissionError: [Errno 1] {BLOCKED_API}: resource.prlimit is refused here for another process",
+    ),
     "gc_get_objects": ("import gc\ngc.get_objects()", f"PermissionError: [Errno 1] {BLOCKED_API}: gc.get_objects is"),
     "sys_settrace": (
         "import sys\nsys.settrace(lambda *args: None)",
@@ -510,6 +526,26 @@ def test_a_deep_repr_after_raising_the_recursion_limit_crashes_and_ends_the_sess
     assert answer["exit_code"] == 139, answer
     gone = py_sessions.request("POST", f"/sessions/{sid}/execute", json={"code": "1"})
     assert gone.status_code == 410, gone.text
+
+
+def test_an_answer_of_millions_of_values_ends_the_program_not_the_supervisor(py_sessions: Sessions) -> None:
+    """Any frame on fd 3 is parsed before its token is checked: 8 MiB of `[],` made JSON.parse exhaust the
+    supervisor's 48 MiB heap, and V8 aborted it (134). Now such an answer breaks the protocol: the
+    supervisor kills the program (137) and says why."""
+    sid = python_session(py_sessions)
+    answer = py_sessions.run(
+        sid,
+        "import os\n"
+        "body = b'[' + b'[],' * 2_700_000 + b'[]]'\n"
+        "view = memoryview(b'r' + len(body).to_bytes(4, 'big') + body)\n"
+        "while view:\n"
+        "    view = view[os.write(3, view):]\n"
+        "import time\n"
+        "time.sleep(3)",
+    )
+    assert answer["session_ended"] is True, answer
+    assert answer["exit_code"] == 137, answer
+    assert "the program broke its protocol (an answer of too many values)" in answer["stderr"], answer
 
 
 THREAD_BOMB = """

@@ -50,6 +50,10 @@ const MAX_IMAGE_BYTES = 4 * 1024 * 1024;
 const PNG_SIGNATURE = Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]);
 const BASE64 = /^[A-Za-z0-9+/]*={0,2}$/;
 const CHUNK = 64 * 1024;
+// The bytes of an answer that may each start a JSON value (',', '[', '{'), at most: a real answer has
+// a few dozen, plus what its result (64 KiB) and error (3 x 4 KiB) strings hold. JSON.parse of 8 MiB of
+// `[],[],...` needs more than this process's 48 MiB heap, and V8 then aborts the supervisor (134).
+const MAX_ANSWER_VALUES = 128 * 1024;
 const MAX_RESULT_BYTES = 64 * 1024; // the service keeps 50 KiB of it
 const MAX_ERROR_FIELD = 4096; // characters of a thrown error's name, message and stack (the service keeps 4 KiB)
 const ERROR_KEYS = ['name', 'message', 'stack'];
@@ -237,6 +241,12 @@ function runSupervisor({ stdio, programHeader, initial, program: started }) {
   let startRequests = null; // set below: hands the requests that came early to their handler
 
   function answer(payload) {
+    let values = 0;
+    for (let i = 0; i < payload.length; i++) {
+      const byte = payload[i];
+      if (byte === 0x2c || byte === 0x5b || byte === 0x7b) values += 1;
+    }
+    if (values > MAX_ANSWER_VALUES) return badAnswer('an answer of too many values');
     let message;
     try {
       message = JSON.parse(payload.toString('utf8'));

@@ -90,6 +90,9 @@ LIBRARY_ROOTS = (
     "/etc/matplotlibrc",
     "/etc/localtime",
 )
+# The trees the program writes, where it can make no link (os.symlink and os.link are refused): only
+# there may a path's '..' be resolved lexically. The same in a one-shot run as in a session.
+LINK_FREE_ROOTS = ("/tmp", "/workspace")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 # Modules that give native code, new processes or a second interpreter (whose audit hooks are its own):
 # refused when imported by any dotted name (foo._ctypes too), and dropped from sys.modules so that an
@@ -144,6 +147,7 @@ HANDLED_EVENTS = frozenset(
         "os.symlink",
         "os.kill",
         "os.killpg",
+        "resource.prlimit",
         "urllib.Request",
         *PROCESS_EVENTS,
         *INTROSPECTION_EVENTS,
@@ -194,6 +198,11 @@ def make_gate(write_roots):
         _introspection_events=INTROSPECTION_EVENTS,
         _path_write_events=PATH_WRITE_EVENTS,
         _dotdot="ERR_METAAGENT_PATH_REFUSED: a relative path with '..' is refused here; use an absolute path",
+        _dotdot_outside=(
+            "ERR_METAAGENT_PATH_REFUSED: '..' is refused here outside /tmp and /workspace (links in the "
+            "image make it lead elsewhere); write the path without '..'"
+        ),
+        _link_free=LINK_FREE_ROOTS,
     ):
         if event not in _handled and not _startswith(event, "socket.") and not _startswith(event, "ctypes."):
             return
@@ -219,8 +228,19 @@ def make_gate(write_roots):
                 if part == "..":
                     if relative:  # its base may be a dir_fd, which the event does not name
                         raise _permission(_eacces, _dotdot, path)
-                    if parts:
-                        parts.pop()
+                    # '..' means lexically what it means to the kernel only where no component can be a
+                    # link: in the trees the program writes (it can make no link there). The image's own
+                    # links lead elsewhere: /usr/share/zoneinfo/posix/Europe -> ../Europe, repeated, makes
+                    # a path that reads as /usr/share/zoneinfo/... open /, and so, through a dir_fd, any
+                    # file (another process's /proc/N/mem, read-write).
+                    here = "/" + _join("/", parts)
+                    inside = False
+                    for root in _link_free:
+                        if here == root or _startswith(here, root + "/"):
+                            inside = True
+                    if not inside:
+                        raise _permission(_eacces, _dotdot_outside, path)
+                    parts.pop()
                     continue
                 parts.append(part)
             if relative:
@@ -299,6 +319,10 @@ def make_gate(write_roots):
             if event == "os.kill" and args[0] == _getpid():
                 return
             raise _permission(_eperm, f"ERR_METAAGENT_BLOCKED_API: {event} is refused here: signal only this process")
+        if event == "resource.prlimit":  # another process's limits: a CPU limit of 0 kills the supervisor
+            if args[0] == 0 or args[0] == _getpid():
+                return
+            raise _permission(_eperm, "ERR_METAAGENT_BLOCKED_API: resource.prlimit is refused here for another process")
         if event == "socket.__new__":
             if _len(args) > 1 and args[1] == 1:  # AF_UNIX: socketpair, which asyncio's event loop needs
                 return
