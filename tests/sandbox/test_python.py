@@ -5,12 +5,25 @@ from __future__ import annotations
 
 import base64
 import json
+import time
+from pathlib import Path
 from typing import Any
 
+import docker
 import httpx2
 import pytest
 
-from tests.sandbox.conftest import HOST_SECRET, Result, Service, Sessions, code_runner
+from metaagent.languages.python.image import python_image_tag
+from tests.sandbox.conftest import (
+    HOST_SECRET,
+    Result,
+    Service,
+    Sessions,
+    code_runner,
+    owned_containers,
+    pool_start_retries,
+    running_service,
+)
 
 pytestmark = [pytest.mark.docker]
 
@@ -116,6 +129,45 @@ def test_npm_packages_and_network_are_refused_for_python(python_service: Service
     response = python_service.post("/tools/code-interpreter", {"code": "1", "language": "python", **fields})
     assert response.status_code == 400, response.text
     assert field in response.json()["error"]
+
+
+# Kills the Python program in a container (by its command line), as a crash or the OOM killer would.
+KILL_THE_PROGRAM = """
+import os
+for pid in os.listdir('/proc'):
+    if pid.isdigit() and int(pid) != os.getpid():
+        try:
+            command = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')
+        except OSError:
+            continue
+        if command[0] == b'/usr/bin/python3.11':
+            os.kill(int(pid), 9)
+"""
+
+
+def test_a_warm_container_whose_program_died_is_replaced_not_handed_out(
+    tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    """node's runner goes as soon as its program dies while the container waits, so the pool sees a dead
+    runner and replaces it; before, the container was handed out and the run failed."""
+    settings = {"METAAGENT_LANGUAGES": "javascript,python", "METAAGENT_POOL_SIZE": "1", "METAAGENT_POOL_MIN": "1"}
+    with running_service(tmp_path, **settings) as service:
+        deadline = time.monotonic() + 300
+        while service.get("/health").json()["checks"]["warm_pool"]["languages"]["python"]["ready"] < 1:
+            assert time.monotonic() < deadline, "the Python pool did not fill"
+            time.sleep(0.1)
+        image = docker_client.images.get(python_image_tag())
+        (warm,) = [
+            c
+            for c in map(docker_client.containers.get, owned_containers(docker_client, service.process.pid))
+            if c.image.id == image.id
+        ]
+        warm.exec_run(["/usr/bin/python3.11", "-c", KILL_THE_PROGRAM], user="1001")
+        warm.wait(timeout=60)  # node's runner went with its program
+        retries = pool_start_retries(service)
+        result = code_runner(service)("print(6 * 7)", language="python", timeout_s=60)
+        assert (result.status, result.exit_code, result.stdout) == (200, 0, "42\n"), result.body
+        assert pool_start_retries(service) > retries
 
 
 # --- sessions --------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@
 // not these bindings (gate.js lists what the gate relies on).
 
 const Module = require('module');
+const fs = require('fs');
 const { Buffer } = require('buffer');
 
 // `runner.js --program <command...>`: the container runs that language's program (program.js) as this
@@ -122,14 +123,10 @@ function parseHeader(line) {
 // Reads header, code, stdin and extra CAs from the real stdin, blocking (a warm runner waits here, idle,
 // for its payload). Returns {session, program, code, input, egress, rest}; egress is null, or {socketPath, maxTunnels,
 // extraCa}; rest holds the bytes read past the payload (a session's first requests).
-function readPayload() {
-  let pending = Buffer.alloc(0); // bytes received up to the end of the header line
+function readPayload(first = Buffer.alloc(0)) {
+  let pending = first; // bytes received up to the end of the header line
   let header = null;
-  while (header === null) {
-    const chunk = Buffer.alloc(READ_CHUNK);
-    const size = stdio.readStdin(chunk);
-    if (size === 0) return badPayload('stdin ended before the header line');
-    pending = Buffer.concat([pending, chunk.subarray(0, size)]);
+  for (;;) {
     const newline = pending.indexOf(0x0a);
     if (newline === -1 ? pending.length > MAX_HEADER_BYTES : newline > MAX_HEADER_BYTES) {
       return badPayload(`no header line in the first ${MAX_HEADER_BYTES} bytes`);
@@ -137,7 +134,12 @@ function readPayload() {
     if (newline !== -1) {
       header = parseHeader(pending.subarray(0, newline));
       pending = pending.subarray(newline + 1);
+      break;
     }
+    const chunk = Buffer.alloc(READ_CHUNK);
+    const size = stdio.readStdin(chunk);
+    if (size === 0) return badPayload('stdin ended before the header line');
+    pending = Buffer.concat([pending, chunk.subarray(0, size)]);
   }
   const total = header.codeBytes + header.stdinBytes + header.extraCaBytes;
   const body = Buffer.alloc(total);
@@ -251,8 +253,25 @@ if (RUNS_JAVASCRIPT) {
     stdio,
     onReady: (child) => {
       ready();
-      const payload = readPayload();
-      defer(() => serveProgram(child, payload));
+      // The wait for the payload's first bytes is a read on the thread pool, so that the event loop sees
+      // the program if it dies while the container waits: then this process goes at once (SIGKILL, as
+      // a thread blocked in that read would hold up an exit), and the pool sees a dead runner and
+      // replaces it, rather than hand out a container whose program is gone.
+      const died = () => {
+        stdio.writeStderr('metaagent-runner: the program ended while the container waited\n');
+        process.kill(process.pid, 'SIGKILL');
+      };
+      child.once('exit', died);
+      const first = Buffer.alloc(READ_CHUNK);
+      const waitForPayload = () => fs.read(0, first, 0, READ_CHUNK, null, (error, size) => {
+        if (error && error.code === 'EAGAIN') return setTimeout(waitForPayload, 5); // a non-blocking stdin
+        child.removeListener('exit', died);
+        if (error) return badPayload(`stdin cannot be read (${error.code})`);
+        if (size === 0) return badPayload('stdin ended before the header line');
+        const payload = readPayload(Buffer.from(first.subarray(0, size)));
+        return defer(() => serveProgram(child, payload));
+      });
+      waitForPayload();
     },
   });
 }
