@@ -98,7 +98,15 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 
 
 def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
-    values: dict[str, Any] = {"audit_log": tmp_path / "audit.jsonl", "sandbox_build_on_start": False}
+    """Settings of an in-process service. JavaScript only unless a test names `languages`, as the test
+    services in processes of their own are: a Python lane fills a warm pool of its own, and a Python
+    container's start costs about 4 s of CPU under runsc (against 0.5 s for JavaScript's), in every test
+    that starts a service."""
+    values: dict[str, Any] = {
+        "audit_log": tmp_path / "audit.jsonl",
+        "sandbox_build_on_start": False,
+        "languages": ("javascript",),
+    }
     values.update(overrides)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]  # pydantic-settings' init-only option
 

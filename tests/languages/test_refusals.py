@@ -27,6 +27,12 @@ PYTHON_REFUSALS = [
         id="memory",
     ),
 ]
+# Python served beside JavaScript; no warm pool: each refusal comes before anything would start.
+PYTHON_SERVED: dict[str, Any] = {
+    "allow_http_hosts": '["api.example.com"]',
+    "languages": ("javascript", "python"),
+    "pool_enabled": False,
+}
 DISABLED = "Language 'python' is not served here (METAAGENT_LANGUAGES=javascript); use javascript (Node.js 18)"
 
 
@@ -34,7 +40,7 @@ DISABLED = "Language 'python' is not served here (METAAGENT_LANGUAGES=javascript
 async def test_a_one_shot_python_run_is_refused_with_a_400_for_what_python_does_not_support(
     service: ServiceFactory, fields: dict[str, Any], refusal: str
 ) -> None:
-    async with service(allow_http_hosts='["api.example.com"]') as client:
+    async with service(**PYTHON_SERVED) as client:
         response = await client.post(
             "/tools/code-interpreter", json={"code": "print(1)", "language": "python", **fields}
         )
@@ -46,7 +52,7 @@ async def test_a_one_shot_python_run_is_refused_with_a_400_for_what_python_does_
 async def test_a_python_session_is_refused_with_a_400_for_what_python_does_not_support(
     service: ServiceFactory, fields: dict[str, Any], refusal: str
 ) -> None:
-    async with service(allow_http_hosts='["api.example.com"]') as client:
+    async with service(**PYTHON_SERVED) as client:
         response = await client.post("/sessions", json={"language": "python", **fields})
         listed = (await client.get("/sessions")).json()
     assert response.status_code == 400
@@ -58,7 +64,7 @@ async def test_a_python_session_is_refused_with_a_400_for_what_python_does_not_s
 async def test_over_mcp_pythons_refusals_are_tool_errors_with_the_same_message(
     tmp_path: Path, fields: dict[str, Any], refusal: str
 ) -> None:
-    app = create_app(make_settings(tmp_path, allow_http_hosts='["api.example.com"]'))
+    app = create_app(make_settings(tmp_path, **PYTHON_SERVED))
     with anyio.fail_after(TIMEOUT_S):
         async with app.router.lifespan_context(app), Client(app.state.mcp_server) as client:
             one_shot = await client.call_tool("code_interpreter", {"code": "print(1)", "language": "python", **fields})
