@@ -144,12 +144,27 @@ def replace_at(value: Any, path: Path, text: str) -> Any:
     return result
 
 
-def with_hostile_strings(body: Any) -> st.SearchStrategy[Any]:
-    """The body as generated, or with one of its strings replaced by a lone surrogate or an over-long text."""
+def longest_bound(schema: Any) -> int:
+    """The largest `maxLength` anywhere in a JSON Schema (or an OpenAPI description), 0 if none."""
+    if isinstance(schema, dict):
+        own = schema.get("maxLength")
+        inner = max((longest_bound(value) for value in schema.values()), default=0)
+        return max(own if isinstance(own, int) else 0, inner)
+    if isinstance(schema, list):
+        return max((longest_bound(item) for item in schema), default=0)
+    return 0
+
+
+def with_hostile_strings(body: Any, longer_than: int) -> st.SearchStrategy[Any]:
+    """The body as generated, or with one of its strings replaced by a lone surrogate or an over-long text.
+
+    The over-long text is longer than `longer_than`, which the caller makes the largest bound of any field:
+    a shorter one could replace the very string that made a negative case invalid (a `code` past its
+    1 MiB, say) with one its field accepts, and the "invalid" request would then be served."""
     paths = list(strings_in(body))
     if not paths:
         return st.just(body)
-    hostile = st.tuples(st.sampled_from(paths), st.one_of(lone_surrogates(), over_long(None)))
+    hostile = st.tuples(st.sampled_from(paths), st.one_of(lone_surrogates(), over_long(longer_than)))
     return st.one_of(st.just(body), hostile.map(lambda pair: replace_at(body, *pair)))
 
 

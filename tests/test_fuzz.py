@@ -30,7 +30,7 @@ from schemathesis.generation.modes import GenerationMode
 from metaagent.app import TOOLS, create_app
 from tests.conftest import make_settings
 from tests.live_service import serving
-from tests.strategies import Slot, lone_surrogates, over_long, place, string_slots, with_hostile_strings
+from tests.strategies import Slot, lone_surrogates, longest_bound, over_long, place, string_slots, with_hostile_strings
 from tests.test_cli import free_port
 from tests.test_mcp import INITIALIZE, MCP_HEADERS
 from tests.test_strict_schemas import REQUIRED_VALUES
@@ -51,10 +51,14 @@ def service_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             yield url
 
 
+# The description of an app built (not started) here, at collection; requests go to `service_url`.
+DESCRIPTION = create_app(make_settings(Path("unused"))).openapi()
+# Hostile over-long text is longer than any field allows, so it never makes an invalid body valid.
+LONGEST_BOUND = longest_bound(DESCRIPTION)
+
+
 def _schema(*modes: GenerationMode) -> schemathesis.BaseSchema:
-    # The description of an app built (not started) here, at collection; requests go to `service_url`.
-    description = create_app(make_settings(Path("unused"))).openapi()
-    schema = schemathesis.openapi.from_dict(description)
+    schema = schemathesis.openapi.from_dict(DESCRIPTION)
     schema.config.generation.update(modes=list(modes))
     return schema
 
@@ -67,7 +71,7 @@ ENGINE_DOWN = "The container engine is unavailable"
 
 
 def _hostile_bodies(_context: Any, body: Any) -> st.SearchStrategy[Any]:
-    return with_hostile_strings(body)
+    return with_hostile_strings(body, longer_than=LONGEST_BOUND)
 
 
 for _fuzzed in (everything, code_interpreter):
