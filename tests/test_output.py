@@ -1,4 +1,4 @@
-"""The demultiplexer of a container's output stream: frames, caps and the runner's ready line."""
+"""The demultiplexer of a container's output stream: frames, caps, the runner's ready line and its told end."""
 
 from __future__ import annotations
 
@@ -103,3 +103,68 @@ def test_a_listener_attached_late_gets_what_was_kept_before_it_first() -> None:
     demux.listen(lambda stream, text: pieces.append((stream, text)))
     demux.feed(frame(STDERR, b"late"))
     assert pieces == [("stdout", "out"), ("stderr", "early "), ("stderr", "late")]
+
+
+TOKEN = "0123456789abcdef" * 2
+
+
+def told_end(code: int, token: str = TOKEN) -> bytes:
+    return b"\0metaagent-end " + token.encode() + b" " + str(code).encode() + b"\n"
+
+
+def test_the_told_end_is_taken_off_both_streams_even_split_byte_by_byte() -> None:
+    demux = Demultiplexer(100, 100)
+    demux.expect_end(TOKEN)
+    feed_bytewise(demux, frame(STDOUT, b"out\0" + told_end(3)) + frame(STDERR, b"err m"))
+    assert demux.told_exit_code is None  # stderr has not told it yet: its output may still be coming
+    feed_bytewise(demux, frame(STDERR, b"ore" + told_end(3)))
+    assert demux.told_exit_code == 3
+    demux.finish()
+    assert demux.stdout.text() == "out\0"
+    assert demux.stderr.text() == "err more"
+
+
+def test_bytes_that_only_begin_like_the_end_are_output_once_the_stream_ends() -> None:
+    demux = Demultiplexer(100, 100)
+    demux.expect_end(TOKEN)
+    demux.feed(frame(STDOUT, b"a\0metaagent-e"))
+    assert demux.stdout.text() == "a"  # the tail could be the end's beginning: it waits
+    demux.finish()
+    assert demux.stdout.text() == "a\0metaagent-e"
+    assert demux.told_exit_code is None
+
+
+def test_an_end_with_another_token_or_malformed_is_output_and_ends_nothing() -> None:
+    demux = Demultiplexer(1000, 1000)
+    demux.expect_end(TOKEN)
+    forged = told_end(0, "f" * 32) + told_end(256) + b"\0metaagent-end " + TOKEN.encode() + b" x\n"
+    demux.feed(frame(STDOUT, forged) + frame(STDERR, forged))
+    demux.finish()
+    assert demux.told_exit_code is None
+    assert demux.stdout.text() == forged.decode()
+    assert demux.stderr.text() == forged.decode()
+
+
+def test_the_two_streams_must_tell_the_same_code() -> None:
+    demux = Demultiplexer(100, 100)
+    demux.expect_end(TOKEN)
+    demux.feed(frame(STDOUT, told_end(0)) + frame(STDERR, told_end(1)))
+    assert demux.told_exit_code is None
+
+
+def test_many_malformed_ends_in_one_chunk_are_output_without_deep_recursion() -> None:
+    demux = Demultiplexer(1 << 20, 100)
+    demux.expect_end(TOKEN)
+    bad = (b"\0metaagent-end " + TOKEN.encode() + b" 9999\n") * 5000
+    demux.feed(frame(STDOUT, bad + told_end(0)) + frame(STDERR, told_end(0)))
+    assert demux.told_exit_code == 0
+    assert demux.stdout.produced == len(bad)
+
+
+def test_what_comes_after_the_told_end_is_not_output() -> None:
+    demux = Demultiplexer(100, 100)
+    demux.expect_end(TOKEN)
+    demux.feed(frame(STDOUT, b"x" + told_end(0) + b"after"))
+    demux.feed(frame(STDOUT, b"more"))
+    demux.finish()
+    assert demux.stdout.text() == "x"

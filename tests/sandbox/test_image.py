@@ -253,6 +253,18 @@ def test_malformed_header_exits_70_without_running_code(client: docker.DockerCli
     assert run.stderr.startswith("metaagent-runner: bad payload: ")
 
 
+def test_an_end_token_is_refused_where_the_code_runs_in_the_runners_own_process(
+    client: docker.DockerClient, sandbox: str
+) -> None:
+    """Only a runner whose program is its child can tell the program's end; JavaScript's one-shot code
+    runs in the runner itself, so its runner refuses the token rather than promise what it cannot."""
+    run = run_raw(
+        client, sandbox, b'{"code_bytes": 17, "stdin_bytes": 0, "end_token": "' + b"a" * 32 + b'"}\nconsole.log("ran")'
+    )
+    assert (run.exit_code, run.stdout) == (70, "")
+    assert "end_token is for a one-shot run of a program" in run.stderr
+
+
 def test_truncated_payload_exits_70(client: docker.DockerClient, sandbox: str) -> None:
     run = run_raw(client, sandbox, b'{"code_bytes": 100, "stdin_bytes": 0}\nconsole.log("ran")')
     assert run.exit_code == 70

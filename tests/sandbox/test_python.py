@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import base64
 import json
+import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import docker
 import httpx2
 import pytest
 
+from metaagent.executions import Execution, new_execution_id
+from metaagent.languages.container import container_spec
+from metaagent.languages.python import PYTHON
 from metaagent.languages.python.image import python_image_tag
+from metaagent.sandbox.engine import Engine
+from metaagent.sandbox.execute import Outcome, execute, payload
 from tests.sandbox.conftest import (
     HOST_SECRET,
     Result,
@@ -23,6 +31,7 @@ from tests.sandbox.conftest import (
     owned_containers,
     pool_start_retries,
     running_service,
+    runtime_of,
 )
 
 pytestmark = [pytest.mark.docker]
@@ -168,6 +177,72 @@ def test_a_warm_container_whose_program_died_is_replaced_not_handed_out(
         result = code_runner(service)("print(6 * 7)", language="python", timeout_s=60)
         assert (result.status, result.exit_code, result.stdout) == (200, 0, "42\n"), result.body
         assert pool_start_retries(service) > retries
+
+
+def _run_told(code: str, runtime: Any, docker_client: docker.DockerClient) -> tuple[Outcome, list[str], bool]:
+    """`code` one-shot through `execute` on the real engine, as the tool runs it: its outcome, the
+    containers `retire` was given, and whether the container was still there when `execute` returned."""
+
+    async def run() -> tuple[Outcome, list[str], bool]:
+        engine = Engine()
+        retired: list[str] = []
+        execution = Execution(new_execution_id(), 30, 256)
+        spec = container_spec(execution.execution_id, python_image_tag(), 256, 1.0, runtime=runtime, language=PYTHON)
+        token = secrets.token_hex(16)
+        try:
+            outcome = await execute(
+                engine, spec, payload(code, None, None, token), execution, timeout_s=30, grace_s=5,
+                end_token=token, retire=lambda container_id: retired.append(container_id) is None,
+            )  # fmt: skip
+            there = bool(docker_client.containers.list(all=True, filters={"id": outcome.container_id}))
+            for container_id in retired:
+                await engine.remove(container_id)
+        finally:
+            engine.close()
+        return outcome, retired, there
+
+    return anyio.run(run)
+
+
+def test_a_one_shot_is_answered_on_the_runners_told_end_with_all_its_output(
+    python_service: Service, docker_client: docker.DockerClient
+) -> None:
+    """node's runner tells when its program has ended, as the last bytes of both streams: the answer has all
+    of the output, interleaved on both streams up to the moment of the exit, and the container is handed
+    to `retire` (the pool's background removal) instead of being waited for."""
+    code = (
+        "import sys\nfor i in range(2000):\n    print(i)\n    print(-i, file=sys.stderr)\n"
+        "sys.stdout.write('last'); sys.stderr.write('\\0metaagent-end'); sys.exit(5)"
+    )
+    outcome, retired, there = _run_told(code, runtime_of(python_service), docker_client)
+    assert (outcome.told_end, outcome.exit_code, retired, there) == (True, 5, [outcome.container_id], True)
+    assert outcome.stdout.text().endswith("1998\n1999\nlast")
+    assert outcome.stderr.produced == sum(len(f"-{i}\n") for i in range(1, 2000)) + len("0\n\0metaagent-end")
+
+
+def test_a_program_killed_by_a_signal_is_answered_from_the_engines_account(
+    python_service: Service, docker_client: docker.DockerClient
+) -> None:
+    """An exit of 128 + n may be the OOM killer's, which only the engine can tell: that answer waits for the
+    container's end as before, and the container is gone when it comes."""
+    outcome, retired, there = _run_told(
+        "import os, signal\nprint('bye', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)",
+        runtime_of(python_service),
+        docker_client,
+    )
+    assert (outcome.told_end, outcome.exit_code, outcome.oom_killed, retired, there) == (False, 137, False, [], False)
+    assert outcome.stdout.text() == "bye\n"
+
+
+def test_an_answered_one_shots_container_is_removed_after_its_answer(
+    run_py: Any, containers_of: Callable[[str], list[str]]
+) -> None:
+    result: Result = run_py("print(1)")
+    assert (result.exit_code, result.stdout) == (0, "1\n")
+    deadline = time.monotonic() + 60
+    while containers_of(result.body["execution_id"]):
+        assert time.monotonic() < deadline, "the container of an answered execution was not removed"
+        time.sleep(0.05)
 
 
 # --- sessions --------------------------------------------------------------------------------------------

@@ -46,6 +46,9 @@ class Language:
     # What the runtime writes on stderr when the program has exhausted its heap: a session whose process
     # ends after writing it ended out of memory, although no OOM kill was needed. None: it has no such line.
     out_of_memory_message: str | None = None
+    # Whether its program is the runner's child, so that the runner can tell when a one-shot program has
+    # ended (`sandbox.execute.payload`'s end token) and the answer need not wait for the container's end.
+    tells_its_end: bool = False
     # The policy the shared code consults (`check_request`) instead of naming languages.
     packages: bool = False  # npm packages (`metaagent.packages`): JavaScript's alone
     network: bool = False  # egress through the runner's tunnel (`network`)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -31,7 +32,8 @@ START_TIMEOUT_S = 60.0
 # After SIGKILL the engine reports the exit within milliseconds; this only bounds a misbehaving engine.
 _EXIT_AFTER_KILL_S = 30.0
 _DRAIN_AFTER_EXIT_S = 5.0
-_SIGKILL_EXIT = 128 + 9
+_SIGNAL_EXITS = 128  # an exit code from here up is a signal's
+_SIGKILL_EXIT = _SIGNAL_EXITS + 9
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class Outcome:
     oom_killed: bool
     killed: bool
     duration_ms: int
+    told_end: bool = False  # the runner told the program's end, and the answer did not wait for the container's
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,17 @@ def _header(fields: dict[str, object], egress: RunnerEgress | None) -> tuple[byt
     return json.dumps(fields).encode() + b"\n", extra_ca
 
 
-def payload(code: str, stdin: str | None, egress: RunnerEgress | None = None) -> bytes:
-    """The runner's stdin protocol: a JSON header line, the code, the program's stdin, then extra CA PEMs."""
+def payload(code: str, stdin: str | None, egress: RunnerEgress | None = None, end_token: str | None = None) -> bytes:
+    """The runner's stdin protocol: a JSON header line, the code, the program's stdin, then extra CA PEMs.
+
+    With `end_token`, the runner tells its program's end on both streams (`output.EndWatch`): only a
+    runner whose program is its child does, as it alone knows when the program has ended."""
     code_bytes = code.encode("utf-8")
     stdin_bytes = (stdin or "").encode("utf-8")
-    header, extra_ca = _header({"code_bytes": len(code_bytes), "stdin_bytes": len(stdin_bytes)}, egress)
+    fields: dict[str, object] = {"code_bytes": len(code_bytes), "stdin_bytes": len(stdin_bytes)}
+    if end_token is not None:
+        fields["end_token"] = end_token
+    header, extra_ca = _header(fields, egress)
     return header + code_bytes + stdin_bytes + extra_ca
 
 
@@ -93,6 +102,32 @@ async def first_of(*events: anyio.Event) -> None:
 
         for event in events:
             group.start_soon(wait_for, event)
+
+
+# Takes a container whose program has ended, to remove it in the background; False when it cannot.
+Retire = Callable[[str], bool]
+
+
+def _ended_by_itself(code: int | None) -> bool:
+    """A told exit the answer may rest on: not a signal's (128 + n), which may be the OOM killer's, and
+    which only the engine can tell apart."""
+    return code is not None and code < _SIGNAL_EXITS
+
+
+def _told_outcome(prepared: Prepared, *, execution_time_ms: int) -> Outcome:
+    output = prepared.output
+    output.finish()
+    return Outcome(
+        container_id=prepared.container_id,
+        exit_code=output.told_exit_code,
+        stdout=output.stdout,
+        stderr=output.stderr,
+        timed_out=False,
+        oom_killed=False,
+        killed=False,
+        duration_ms=execution_time_ms,
+        told_end=True,
+    )
 
 
 @dataclass
@@ -177,22 +212,32 @@ async def execute(
     prepared: Prepared | None = None,
     ready_marker: bytes = RUNNER_READY,
     sink: OutputSink | None = None,
+    end_token: str | None = None,
+    retire: Retire | None = None,
 ) -> Outcome:
     """Runs one payload in `prepared` (a warm container) or in a container created now from `spec`.
 
-    Either way the container serves this execution only and is removed before this returns. With `sink`,
-    the output goes there too as it comes, and `sink.started()` is called as the code is handed over.
+    Either way the container serves this execution only, and is removed before this returns, or, when the
+    runner told the program's end (`end_token`, the payload's) and `retire` takes the container, after.
+    With `sink`, the output goes there too as it comes, and `sink.started()` is called as the code is
+    handed over.
     """
     execution.state = "starting"
     if prepared is None:
         prepared = await prepare(engine, spec, start=False, ready_marker=ready_marker)
     execution.container_id = prepared.container_id
+    if end_token is not None:
+        prepared.output.expect_end(end_token)
+    outcome: Outcome | None = None
     try:
-        return await _run(engine, prepared, data, execution, timeout_s=timeout_s, grace_s=grace_s, sink=sink)
+        outcome = await _run(engine, prepared, data, execution, timeout_s=timeout_s, grace_s=grace_s, sink=sink)
+        return outcome
     finally:
         prepared.sock.close()
         with anyio.CancelScope(shield=True):
-            if prepared.output.ready:
+            if outcome is not None and outcome.told_end and retire is not None and retire(prepared.container_id):
+                pass  # removed in the background: the container's program has ended
+            elif prepared.output.ready:
                 await engine.remove(prepared.container_id)
             else:  # the runner never started: what a failed start may leave goes too
                 await engine.remove_failed(prepared.container_id)
@@ -211,7 +256,7 @@ async def _run(
     container_id, sock, output = prepared.container_id, prepared.sock, prepared.output
     if sink is not None:
         output.listen(sink.output)
-    exited, settled, drained = anyio.Event(), anyio.Event(), anyio.Event()
+    exited, settled, drained, told = anyio.Event(), anyio.Event(), anyio.Event(), anyio.Event()
     status: list[int] = []
     if not prepared.started:
         await engine.start(container_id)
@@ -225,6 +270,8 @@ async def _run(
             while await prepared.read_some():
                 if output.ready or output.start_failed:
                     settled.set()
+                if _ended_by_itself(output.told_exit_code):
+                    told.set()
         finally:
             drained.set()
 
@@ -248,7 +295,13 @@ async def _run(
             started = time.monotonic()
             execution.state = "running"
             with anyio.move_on_after(timeout_s):
-                await first_of(exited, execution.kill_requested)
+                await first_of(exited, execution.kill_requested, told)
+            if told.is_set() and not exited.is_set():
+                # The program has ended and all of its output is here: the container's own end (its
+                # runner, init and sandbox going, the engine told) is not the caller's to wait for.
+                duration_ms = int((time.monotonic() - started) * 1000)
+                group.cancel_scope.cancel()
+                return _told_outcome(prepared, execution_time_ms=duration_ms)
             if execution.kill_requested.is_set() and not exited.is_set():
                 killed = True
                 await engine.kill(container_id, "SIGKILL")

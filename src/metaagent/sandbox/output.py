@@ -117,6 +117,59 @@ class CappedBuffer:
         return f"{text}\n[output truncated: {self.produced} bytes produced, the first {self.shown_bytes} shown]\n"
 
 
+END_MARKER = b"\0metaagent-end "  # then the execution's end token, a space, the exit code and a newline
+_MAX_CODE_DIGITS = 3
+_MAX_EXIT_CODE = 255
+
+
+class EndWatch:
+    """One stream's end as the runner tells it: `\\0metaagent-end <token> <code>\\n`, the last bytes the
+    runner writes on each stream once its program has exited and been drained.
+
+    The bytes before the marker pass on to `sink` at once, except a tail that could be the marker's
+    beginning, which waits for the next bytes (or for `finish`). The marker and whatever follows it
+    are not output. A marker with another token, or a malformed one, is output like any other bytes:
+    the token is the execution's own, and the program never sees it."""
+
+    def __init__(self, token: str, sink: ByteSink) -> None:
+        self._marker = END_MARKER + token.encode("ascii") + b" "
+        self._sink = sink
+        self._held = b""
+        self.code: int | None = None  # the exit code the runner told; None until told
+
+    def add(self, data: bytes) -> None:
+        if self.code is not None:
+            return  # past the end: a runner writes nothing after it
+        data, self._held = self._held + data, b""
+        searched = 0
+        while (start := data.find(self._marker, searched)) >= 0:
+            told = data[start + len(self._marker) :]
+            newline = told.find(b"\n", 0, _MAX_CODE_DIGITS + 1)
+            if newline < 0 and len(told) <= _MAX_CODE_DIGITS:
+                self._pass(data[:start])
+                self._held = data[start:]  # the code is still coming
+                return
+            if newline > 0 and told[:newline].isdigit() and int(told[:newline]) <= _MAX_EXIT_CODE:
+                self._pass(data[:start])
+                self.code = int(told[:newline])
+                return
+            searched = start + 1  # malformed: output like the rest
+        keep = next(
+            (n for n in range(min(len(self._marker) - 1, len(data)), 0, -1) if self._marker.startswith(data[-n:])), 0
+        )
+        self._pass(data[: len(data) - keep])
+        self._held = data[len(data) - keep :]
+
+    def finish(self) -> None:
+        """The stream ended without (the rest of) a marker: what was held back is output after all."""
+        held, self._held = self._held, b""
+        self._pass(held)
+
+    def _pass(self, data: bytes) -> None:
+        if data:
+            self._sink.add(data)
+
+
 class Demultiplexer:
     """Feeds raw stream bytes in; routes each frame's payload to the stdout or stderr buffer.
 
@@ -137,6 +190,19 @@ class Demultiplexer:
         self.ready = not ready_marker
         self.start_failed = False
         self._sinks: tuple[ByteSink, ByteSink] | None = None
+        self._ends: tuple[EndWatch, EndWatch] | None = None
+
+    def expect_end(self, token: str) -> None:
+        """The runner will tell its program's end on both streams with `token` (see `EndWatch`)."""
+        self._ends = (EndWatch(token, self.stdout), EndWatch(token, self.stderr))
+
+    @property
+    def told_exit_code(self) -> int | None:
+        """The program's exit code once the runner told its end on both streams: all of both streams'
+        output has then arrived (each stream keeps its order; the two do not keep theirs between them)."""
+        if self._ends is None or self._ends[0].code is None or self._ends[1].code is None:
+            return None
+        return self._ends[1].code if self._ends[0].code == self._ends[1].code else None
 
     def _route(self, stream: int, data: bytes) -> None:
         if not self.ready and not self.start_failed:
@@ -156,6 +222,9 @@ class Demultiplexer:
         if self._sinks is not None:
             self._sinks[1 if stream == STDERR else 0].add(data)
             return
+        if self._ends is not None:
+            self._ends[1 if stream == STDERR else 0].add(data)
+            return
         (self.stderr if stream == STDERR else self.stdout).add(data)
 
     def redirect(self, stdout: ByteSink, stderr: ByteSink) -> None:
@@ -169,6 +238,8 @@ class Demultiplexer:
 
     def finish(self) -> None:
         """The stream ended: flush what each decoder still holds (see `CappedBuffer.finish`)."""
+        for watch in self._ends or ():
+            watch.finish()
         self.stdout.finish()
         self.stderr.finish()
 

@@ -91,7 +91,7 @@ class WarmPool:
         self._make_spec = make_spec
         self._ready: deque[Warm] = deque()
         self._starting = 0
-        self._removing = 0  # discarded containers whose removal is under way: they still hold memory
+        self._removing = 0  # discarded or retired containers whose removal is under way: they still hold memory
         self._lent = 0  # taken by executions still running: replaced once they end (see `finished`)
         self._changed = anyio.Event()
         self._failures = 0
@@ -209,6 +209,16 @@ class WarmPool:
         while len(self._takers) > (0 if self.closed else self._starting):
             self._takers.pop().handed.set()
 
+    def retire(self, container_id: str) -> bool:
+        """Removes, in the background, a container an execution is done with (warm or cold), counted
+        against the memory budget until it is gone; False when the pool is not running (the caller then
+        removes it)."""
+        if self._group is None:
+            return False
+        self._removing += 1
+        self._group.start_soon(self._retire_container, container_id)
+        return True
+
     def finished(self) -> None:
         """The execution on a taken container ended: its container no longer counts against the target.
         (Starts that demand asks for meanwhile run at a starting container's low CPU weight.)"""
@@ -245,6 +255,7 @@ class WarmPool:
                         await self._changed.wait()
                 # Starts in flight finish (and see `closed`): one cut off halfway would leave its container.
         finally:
+            self._group = None  # its retirements are done: the group waited for them
             with anyio.CancelScope(shield=True):
                 await self._drain()
             self.stopped.set()

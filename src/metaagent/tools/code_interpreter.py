@@ -11,6 +11,7 @@ runtime is chosen once, by a self-test in JavaScript's image.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, nullcontext
@@ -277,16 +278,19 @@ class CodeInterpreter:
             )
             self.registry.add(execution)
             try:
+                end_token = secrets.token_hex(16) if lane.language.tells_its_end else None
                 async with network or nullcontext():
                     outcome = await execute(
                         self.engine,
                         spec,
-                        payload(request.code, request.stdin, network.runner if network else None),
+                        payload(request.code, request.stdin, network.runner if network else None, end_token),
                         execution,
                         timeout_s=request.timeout_s,
                         grace_s=self.grace_s,
                         prepared=warm.prepared if warm else None,
                         sink=sink,
+                        end_token=end_token,
+                        retire=lane.pool.retire if packages is None else None,  # a volume it holds goes after it
                     )
             except MetaAgentError as exc:
                 error = exc.message

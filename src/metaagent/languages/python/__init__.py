@@ -21,6 +21,7 @@ PYTHON = Language(
     image_tag=python_image_tag,
     build_image=build_python_image,
     runner_command=python_runner_command,
+    tells_its_end=True,
     packages=False,
     network=False,
     min_memory_mb=MIN_MEMORY_MB,

@@ -69,15 +69,49 @@ function startProgram(command, { stdio, onReady }) {
   program.on('error', (error) => failed(error.message));
 }
 
-// One-shot: hands the program its payload and relays its output until it exits, then leaves with its code.
-function relayOnce(program, { stdio, header }) {
-  program.stdout.on('data', (bytes) => stdio.writeAll(stdio.STDOUT, bytes));
-  program.stderr.on('data', (bytes) => stdio.writeAll(stdio.STDERR, bytes));
-  program.on('exit', (code, signal) => {
+// One-shot: hands the program its payload and relays its output until it exits, then leaves with its
+// code. With `endToken` it first tells the program's end on both streams, as their last bytes
+// ("\0metaagent-end <token> <code>\n"): each stream keeps its order on the way to the service, so the
+// service has all of the output once it has both, and answers without waiting for the container's own
+// end (this process, init and the sandbox going, the engine told), which it removes after. The program
+// never sees the token.
+//
+// A program that has flushed its output may say `ended <status>` on fd 3 just before it exits: this
+// process then kills it and ends with that status, so that the answer does not wait for the kernel to
+// take the program's address space apart. What it says is only as good as the program (it chooses its
+// exit status anyway); anything else on fd 3 is ignored, and its exit is waited for.
+function relayOnce(program, { stdio, header, endToken = null }) {
+  let ended = false;
+  const end = (exitCode) => {
+    if (ended) return;
+    ended = true;
     drainNow(program.stdout, (bytes) => stdio.writeAll(stdio.STDOUT, bytes));
     drainNow(program.stderr, (bytes) => stdio.writeAll(stdio.STDERR, bytes));
-    process.exit(exitCodeOf(code, signal));
-  });
+    if (endToken !== null) {
+      const told = Buffer.from(`\0metaagent-end ${endToken} ${exitCode}\n`);
+      stdio.writeAll(stdio.STDOUT, told);
+      stdio.writeAll(stdio.STDERR, told);
+    }
+    process.exit(exitCode);
+  };
+  program.stdout.on('data', (bytes) => stdio.writeAll(stdio.STDOUT, bytes));
+  program.stderr.on('data', (bytes) => stdio.writeAll(stdio.STDERR, bytes));
+  program.on('exit', (code, signal) => end(exitCodeOf(code, signal)));
+  if (endToken !== null) {
+    let said = '';
+    const onSaid = (bytes) => {
+      said += bytes.toString('latin1');
+      const match = /^ended (\d{1,3})\n$/.exec(said);
+      if (match !== null && Number(match[1]) <= 255) {
+        program.kill('SIGKILL'); // it has flushed its output, and says it is going: nothing of it runs on
+        return end(Number(match[1]));
+      }
+      if (said.length >= 'ended 255\n'.length || said.includes('\n')) program.stdio[3].removeListener('data', onSaid);
+      return undefined;
+    };
+    program.stdio[3].on('error', () => {}); // a program that closed fd 3: its exit is waited for
+    program.stdio[3].on('data', onSaid);
+  }
   program.stdin.end(header);
 }
 

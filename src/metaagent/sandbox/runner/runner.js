@@ -63,6 +63,10 @@ const SESSION_FIELD = 'session';
 const PROGRAM_FIELD = 'program';
 const EGRESS_FIELDS = ['egress_socket', 'egress_max_tunnels', 'extra_ca_bytes'];
 const EGRESS_SOCKET_DIR = '/run/metaagent/';
+// A one-shot's end token (program.js tells the program's end with it): only where a program is this
+// process's child, as only then does this process know when the program has ended.
+const END_TOKEN_FIELD = 'end_token';
+const END_TOKEN = /^[0-9a-f]{32}$/;
 
 function badPayload(reason) {
   stdio.writeStderr(`metaagent-runner: bad payload: ${reason}\n`);
@@ -81,7 +85,7 @@ function parseHeader(line) {
   }
   for (const key of Object.keys(header)) {
     if (key !== 'code_bytes' && key !== 'stdin_bytes' && key !== SESSION_FIELD && key !== PROGRAM_FIELD
-      && !EGRESS_FIELDS.includes(key)) {
+      && key !== END_TOKEN_FIELD && !EGRESS_FIELDS.includes(key)) {
       return badPayload(`unknown header field ${key}`);
     }
   }
@@ -89,6 +93,11 @@ function parseHeader(line) {
   if (SESSION_FIELD in header && !isSession) return badPayload('session must be true when given');
   const isProgram = header[PROGRAM_FIELD] === true;
   if (PROGRAM_FIELD in header && !(isProgram && isSession)) return badPayload('program must be true, in a session');
+  const endToken = header[END_TOKEN_FIELD];
+  if (END_TOKEN_FIELD in header) {
+    if (RUNS_JAVASCRIPT || isSession) return badPayload('end_token is for a one-shot run of a program');
+    if (typeof endToken !== 'string' || !END_TOKEN.test(endToken)) return badPayload('end_token must be 32 hex digits');
+  }
   for (const key of COUNT_FIELDS) {
     if (key === 'extra_ca_bytes' && !('egress_socket' in header)) continue;
     if (isSession && key !== 'extra_ca_bytes') {
@@ -117,11 +126,12 @@ function parseHeader(line) {
     stdinBytes: isSession ? 0 : header.stdin_bytes,
     extraCaBytes: egressConfig === null ? 0 : header.extra_ca_bytes,
     egress: egressConfig,
+    endToken: END_TOKEN_FIELD in header ? endToken : null,
   };
 }
 
 // Reads header, code, stdin and extra CAs from the real stdin, blocking (a warm runner waits here, idle,
-// for its payload). Returns {session, program, code, input, egress, rest}; egress is null, or {socketPath, maxTunnels,
+// for its payload). Returns {session, program, code, input, egress, rest, endToken}; egress is null, or {socketPath, maxTunnels,
 // extraCa}; rest holds the bytes read past the payload (a session's first requests).
 function readPayload(first = Buffer.alloc(0)) {
   let pending = first; // bytes received up to the end of the header line
@@ -159,7 +169,10 @@ function readPayload(first = Buffer.alloc(0)) {
   if (header.egress !== null) {
     egressConfig = { ...header.egress, extraCa: body.subarray(stdinEnd, total).toString('ascii') };
   }
-  return { session: header.session, program: header.program, code, codeBytes, input, egress: egressConfig, rest };
+  return {
+    session: header.session, program: header.program, code, codeBytes, input, egress: egressConfig, rest,
+    endToken: header.endToken,
+  };
 }
 
 // EGRESS: with network, node's http, https and fetch go through the execution's tunnel (egress.js).
@@ -239,7 +252,8 @@ function serveProgram(child, payload) {
     return undefined;
   }
   const header = Buffer.from(`${JSON.stringify({ code_bytes: payload.codeBytes.length, stdin_bytes: payload.input.length })}\n`, 'utf8');
-  program.relayOnce(child, { stdio, header: Buffer.concat([header, payload.codeBytes, payload.input]) });
+  const body = Buffer.concat([header, payload.codeBytes, payload.input]);
+  program.relayOnce(child, { stdio, header: body, endToken: payload.endToken });
   return undefined;
 }
 
