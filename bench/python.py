@@ -1,10 +1,11 @@
 """Python (issue 24): pooled one-shot runs and session calls against bare `python3 -c pass` on the host,
 and what `import pandas` costs in a warm runner against a cold interpreter, per runtime, in one run.
 
-- Contenders, in rounds of a shuffled order: a pooled `print(1)` with the Python pool full (waited for,
-  untimed, before each: "with the pool ready"), the same back to back (no wait: what a caller that
-  sends one call after another gets), a call `1+1` into a Python session that stays open, and
-  `python3 -c pass` on the host. Every result is checked.
+- Contenders, in rounds of a shuffled order, each begun with the Python pool full (waited for, untimed,
+  so that no contender competes with the refill another left, as in the sessions section): a pooled
+  `print(1)` ("with the pool ready"); the same back to back (one run untimed, and the next timed at
+  once: what a caller that sends one call after another gets, its refill under way); a call `1+1`
+  into a Python session that stays open; and `python3 -c pass` on the host. Every result is checked.
 - `import pandas`: timed inside the code (perf_counter around the import) in a warm session, where the
   runner imported it before the call, and in a cold `docker run` of the same image's interpreter with
   nothing imported (`python3 -I -S`, dist-packages on the path), under the same runtime.
@@ -12,6 +13,7 @@ and what `import pandas` costs in a warm runner against a cold interpreter, per 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -116,16 +118,20 @@ def measure(
     if caller.call(session_id, "1+1")["result"] != "2":
         raise RuntimeError("the Python session does not add")
 
-    def pooled() -> float:
-        caller.wait_python_pool()
-        return _timed(lambda: caller.run("print(1)"))
-
-    contenders: dict[str, Callable[[], float]] = {
-        POOLED: pooled,
-        BACK_TO_BACK: lambda: _timed(lambda: caller.run("print(1)")),
-        SESSION_CALL: lambda: _timed(lambda: caller.call(session_id, "1+1")),
-        BARE: lambda: _timed(lambda: _bare(python)),
+    timed_calls: dict[str, Callable[[], object]] = {
+        POOLED: lambda: caller.run("print(1)"),
+        BACK_TO_BACK: lambda: caller.run("print(1)"),
+        SESSION_CALL: lambda: caller.call(session_id, "1+1"),
+        BARE: lambda: _bare(python),
     }
+
+    def contender(name: str) -> float:
+        caller.wait_python_pool()
+        if name == BACK_TO_BACK:
+            caller.run("print(1)")  # untimed: the timed one follows it at once
+        return _timed(timed_calls[name])
+
+    contenders = {name: functools.partial(contender, name) for name in timed_calls}
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     for round_number in range(warmup + rounds):
         order = list(contenders)
