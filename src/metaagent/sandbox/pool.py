@@ -239,8 +239,7 @@ class WarmPool:
                     if self._unremoved and self._retry_at <= time.monotonic():
                         retry, self._unremoved = self._unremoved, set()
                         for container_id in retry:
-                            self._removing += 1
-                            group.start_soon(self._retire_container, container_id)
+                            self.retire(container_id)
                     self._trim()
                     missing = self._missing()
                     wait_s = self._retry_at - time.monotonic()
