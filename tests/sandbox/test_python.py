@@ -286,6 +286,19 @@ def test_a_call_interrupted_at_its_timeout_keeps_the_session_state(python_sessio
     assert python_sessions.run(session, "kept")["result"] == "'yes'"
 
 
+def test_a_call_that_handles_its_interrupt_finishes_its_handler_while_the_interrupt_is_resent(
+    python_sessions: Sessions,
+) -> None:
+    # The supervisor sends SIGINT again every 200 ms until the call answers; only the first may raise.
+    session = new_python_session(python_sessions)
+    code = (
+        "import time\ntry:\n    while True:\n        pass\nexcept KeyboardInterrupt:\n"
+        "    end = time.monotonic() + 1\n    while time.monotonic() < end:\n        pass\n'cleaned up'"
+    )
+    answer = python_sessions.run(session, code, timeout_s=1)
+    assert (answer["result"], answer["error"], answer["session_ended"]) == ("'cleaned up'", None, False)
+
+
 def test_a_call_that_ignores_the_interrupt_ends_the_session(python_sessions: Sessions) -> None:
     session = new_python_session(python_sessions)
     answer = python_sessions.run(

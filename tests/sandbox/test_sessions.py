@@ -217,6 +217,21 @@ def test_a_running_call_is_listed_and_deleting_it_interrupts_it_without_ending_t
     assert sessions.run(sid, "still")["result"] == "'here'"
 
 
+def test_an_interrupt_that_reaches_the_program_before_its_call_does_still_interrupts_the_call(
+    sessions: Sessions,
+) -> None:
+    sid = sessions.create()
+    # A timer holds the program's event loop for 3 s: the next call's frame waits unread behind it, and
+    # the SIGINT of its interrupt (at its 1 s timeout) reaches a program that has no call armed to take
+    # it. Only an interrupt sent again once the loop is free stops the call before the 5 s grace ends.
+    # (On a machine so slow that the timer ends before the timeout, the interrupt simply lands in time.)
+    sessions.run(sid, "setTimeout(() => { const end = Date.now() + 3000; while (Date.now() < end) {} }, 0); 1")
+    result = sessions.run(sid, "while (true) {}", 1)
+    assert result["timed_out"] is True
+    assert result["session_ended"] is False
+    assert sessions.run(sid, "1 + 1")["result"] == "2"
+
+
 def test_an_idle_session_ends_with_410_idle(sessions: Sessions) -> None:
     sid = sessions.create(idle_timeout_s=10)
     time.sleep(12)

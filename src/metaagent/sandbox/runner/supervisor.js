@@ -60,6 +60,10 @@ const ERROR_KEYS = ['name', 'message', 'stack'];
 // What the service keeps of each stream per call: STDOUT_CAP and STDERR_CAP in sandbox/execute.py.
 const OUTPUT_BUDGET = { __proto__: null, o: 50 * 1024, e: 25 * 1024 };
 const OUTPUT_FLUSH_MS = 20; // how long output may wait to share a frame (streaming's added latency)
+// An interrupt's SIGINT is sent again at this interval until its call answers: one that reaches the
+// program before the call is armed to take it (its frame not read yet, or node's breakOnSigint not yet
+// entered) is spent on no call, and the call would then run on to the end of the grace period.
+const INTERRUPT_RESEND_MS = 200;
 const MAX_LISTED = 10000;
 const LISTING_PIECE = 64 * 1024;
 const MAX_DEPTH = 64;
@@ -287,6 +291,7 @@ function runSupervisor({ stdio, programHeader, initial, program: started }) {
     checked.stderr_skipped = skipped.e;
     window = { __proto__: null, o: 0, e: 0 };
     skipped = { __proto__: null, o: 0, e: 0 };
+    clearInterval(current.interrupting);
     current = null;
     return reply(checked);
   }
@@ -313,13 +318,15 @@ function runSupervisor({ stdio, programHeader, initial, program: started }) {
   function execute(id, code) {
     if (current !== null) return fail('a call while another runs');
     if (typeof code !== 'string') return fail('a call without code');
-    current = { id, token: crypto.randomBytes(16).toString('hex') };
+    current = { id, token: crypto.randomBytes(16).toString('hex'), interrupting: null };
     toProgram.write(jsonFrame('x', { id: current.token, code }));
     return undefined;
   }
 
   function interrupt(id) {
-    if (current !== null && current.id === id) program.kill('SIGINT');
+    if (current === null || current.id !== id || current.interrupting !== null) return;
+    program.kill('SIGINT');
+    current.interrupting = setInterval(() => program.kill('SIGINT'), INTERRUPT_RESEND_MS);
   }
 
   // --- file requests: this process's own fs, each component checked with lstat ---

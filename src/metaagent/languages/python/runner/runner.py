@@ -518,7 +518,9 @@ class Calls:
         asyncio.set_event_loop(self.loop)
 
     def on_interrupt(self, _signum, _frame):
-        if self.running:
+        # Once per call: the supervisor sends SIGINT again until the call answers, and a second
+        # KeyboardInterrupt could land in the runner's own handling of the first.
+        if self.running and not self.interrupted:
             self.interrupted = True
             raise KeyboardInterrupt
 
