@@ -13,6 +13,8 @@
                                                  handed over (a crash at start); the pool starts another
     metaagent_egress_blocked_total{tool}         outbound requests the egress guard refused
     metaagent_engine_errors_total                container engine calls that failed (engine down, refused)
+    metaagent_oom_kills_unreported_total         OOM kills the memory cgroup notified and the engine's
+                                                 report missed (sandbox/oom.py); each is still `oom_killed`
     metaagent_tunnel_operations_total{phase}     the service's work for sandbox tunnels: accept (connections
                                                  accepted), check (tunnel requests read and decided: allow-lists,
                                                  DNS, address policy, connect), relay (chunks moved)
@@ -79,6 +81,9 @@ POOL_START_RETRIES = Counter(
 )
 EGRESS_BLOCKED = Counter("metaagent_egress_blocked", "Outbound requests refused by the egress guard", ["tool"])
 ENGINE_ERRORS = Counter("metaagent_engine_errors", "Container engine calls that failed")
+OOM_UNREPORTED = Counter(
+    "metaagent_oom_kills_unreported", "OOM kills the memory cgroup notified and the engine's report missed"
+)
 TUNNEL_OPERATIONS = Counter(
     "metaagent_tunnel_operations",
     "Work the service did for sandbox tunnels: connections accepted, tunnel requests checked, chunks relayed",
@@ -130,6 +135,10 @@ def egress_blocked(tool: str) -> None:
 
 def engine_error() -> None:
     ENGINE_ERRORS.inc()
+
+
+def oom_unreported() -> None:
+    OOM_UNREPORTED.inc()
 
 
 def tunnel_operation(phase: str, waited: bool = False) -> None:

@@ -193,12 +193,17 @@ def wait_for_warm_containers(service: Service, count: int = 1) -> dict[str, Any]
         time.sleep(0.02)
 
 
-def pool_start_retries(service: Service) -> float:
-    """The service's count of warm runners that died before any code was handed over (/metrics)."""
+def metric_value(service: Service, name: str) -> float:
+    """An unlabelled metric's value in the service's /metrics (0 when it is not there yet)."""
     for line in service.get("/metrics").text.splitlines():
-        if line.startswith("metaagent_pool_start_retries_total "):
+        if line.startswith(f"{name} "):
             return float(line.split()[1])
     return 0.0
+
+
+def pool_start_retries(service: Service) -> float:
+    """The service's count of warm runners that died before any code was handed over."""
+    return metric_value(service, "metaagent_pool_start_retries_total")
 
 
 def code_runner(service: Service, path: str | None = None) -> RunJs:

@@ -121,9 +121,7 @@ def test_memory_hog_is_killed_at_the_memory_limit(run_raw: RunRaw, sandbox_runti
     assert outcome.exit_code == 137, outcome
     assert not outcome.timed_out
     assert not outcome.killed
-    # The engine misses gVisor's OOM event about one kill in five (README, isolation runtimes).
-    if sandbox_runtime is RUNC:
-        assert outcome.oom_killed
+    assert outcome.oom_killed
 
 
 @pytest.mark.parametrize(
@@ -189,13 +187,13 @@ def test_inode_flood_in_tmp_ends_in_enospc_under_runc_and_at_the_memory_limit_un
         assert result["error"] == "ENOSPC"  # the tmpfs's 16,384 inodes
         assert not outcome.oom_killed
     else:
-        # gVisor's tmpfs has no inode limit: its inodes live in gVisor's memory, inside the memory limit.
-        # The kill at the limit is SIGKILL (137); the engine flags it oom_killed when it sees the cgroup's
-        # OOM event, which under runsc it sometimes does not (README, isolation runtimes).
+        # gVisor's tmpfs has no inode limit: its inodes live in gVisor's memory, inside the memory limit,
+        # and the kill at the limit is the OOM killer's.
         outcome = run_raw(flood, memory_mb=64, timeout_s=120)
         assert outcome.exit_code == 137, outcome
         assert not outcome.timed_out
         assert not outcome.killed
+        assert outcome.oom_killed
 
 
 def test_opening_300_files_fails(run_raw: RunRaw) -> None:

@@ -107,8 +107,7 @@ def test_an_endless_loop_times_out(run_py: Any) -> None:
 def test_memory_past_the_limit_is_killed(run_py: Any) -> None:
     result: Result = run_py("b = bytearray(600 * 1024 * 1024)\nprint('survived')", memory_mb=256)
     assert "survived" not in result.stdout
-    # Under runsc the engine misses about one OOM event in five (issue 26): the exit code says it then.
-    assert result.body["oom_killed"] or result.exit_code == 137, result.body
+    assert (result.exit_code, result.body["oom_killed"]) == (137, True), result.body
 
 
 def test_output_past_the_cap_is_truncated(run_py: Any) -> None:

@@ -594,8 +594,7 @@ def test_a_two_gib_allocation_is_killed_at_the_memory_limit(run_py: RunJs, pytho
     result = run_py('filled = b"x" * (2 << 30)\nprint("ESCAPED", len(filled))')
     assert "ESCAPED" not in result.stdout, result.body
     assert result.exit_code == 137, result.body
-    if python_runtime is RUNC:  # under runsc the engine sometimes misses the OOM event (SECURITY.md, 4)
-        assert result.body["oom_killed"] is True, result.body
+    assert result.body["oom_killed"] is True, result.body
 
 
 # --- benign: no false refusals ---------------------------------------------------------------------------

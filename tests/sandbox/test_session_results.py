@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from metaagent.sandbox.runtime import RUNC
-from tests.sandbox.conftest import Sessions, runtime_of
+from tests.sandbox.conftest import Sessions
 
 pytestmark = [pytest.mark.docker]
 
@@ -160,11 +159,8 @@ def test_running_out_of_memory_says_out_of_memory(sessions: Sessions) -> None:
     sid = sessions.create(memory_mb=64)
     answer = sessions.run(sid, "const hog = []; for (;;) hog.push(new Array(1e6).fill(1));", timeout_s=30)
     assert answer["session_ended"] is True
-    if runtime_of(sessions.service) is RUNC:
-        assert answer["error"]["name"] == "OutOfMemory"
-        assert "memory_mb=64" in answer["error"]["message"]
-    else:  # under runsc the engine may miss the kill's OOM event (see test_sessions)
-        assert answer["error"]["name"] in ("OutOfMemory", "Exited")
+    assert answer["error"]["name"] == "OutOfMemory"
+    assert "memory_mb=64" in answer["error"]["message"]
 
 
 def test_the_error_comes_back_the_same_through_the_code_interpreter_tool(sessions: Sessions) -> None:

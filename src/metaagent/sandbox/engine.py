@@ -34,6 +34,7 @@ from docker.types import Mount as DockerMount
 from metaagent import metrics
 from metaagent.errors import Unavailable
 from metaagent.sandbox import leftovers
+from metaagent.sandbox.oom import OomWatch
 
 log = logging.getLogger("metaagent.engine")
 
@@ -184,6 +185,8 @@ class Engine:
         self._clients_lock = threading.Lock()
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
         self.owner = f"{os.getpid()}-{secrets.token_hex(6)}"
+        # The kernel's record of OOM kills beside the engine's report, which under runsc misses some.
+        self.oom_watch = OomWatch.of_this_host()
 
     @_engine_errors
     def _docker(self, lane: Lane | None = None) -> docker.DockerClient:
@@ -337,7 +340,11 @@ class Engine:
         return await self._run(attach)
 
     async def start(self, container_id: str) -> None:
-        await self._run(self.api.start, container_id)
+        def start() -> None:
+            self.api.start(container_id)
+            self.oom_watch.watch(container_id)  # its cgroup exists from now on, and no code has run yet
+
+        await self._run(start)
 
     async def wait(self, container_id: str) -> int:
         """Blocks (in a thread of the WAITS lane) until the container exits; returns its exit status."""
@@ -348,7 +355,12 @@ class Engine:
         info = await self._run(self.api.inspect_container, container_id)
         state = info["State"]
         running = state.get("Running", False)
-        return ContainerState(None if running else int(state.get("ExitCode", -1)), bool(state.get("OOMKilled")))
+        reported = bool(state.get("OOMKilled"))
+        oom_killed = reported or self.oom_watch.saw_oom(container_id)
+        if oom_killed and not reported:
+            metrics.oom_unreported()
+            log.info("container %s: its memory cgroup saw an OOM kill the engine did not report", container_id[:12])
+        return ContainerState(None if running else int(state.get("ExitCode", -1)), oom_killed)
 
     async def limit_cpus(self, container_id: str, cpus: float) -> None:
         """Holds a container to `cpus` with a running execution's CPU weight (one engine call)."""
@@ -380,6 +392,7 @@ class Engine:
             except docker.errors.APIError as exc:
                 if exc.status_code != 409:  # 409: removal already in progress
                     raise
+            self.oom_watch.forget(container_id)
 
         await self._run(remove, lane=self.control_lane)
 
@@ -505,6 +518,7 @@ class Engine:
         return (labels or {}).get(OWNER_LABEL) == self.owner
 
     def close(self) -> None:
+        self.oom_watch.close()
         clients, self._clients = self._clients, {}
         for client in clients.values():
             client.close()
