@@ -44,7 +44,7 @@ from metaagent.sandbox.output import CappedBuffer, OutputListener, OutputSink, S
 log = logging.getLogger("metaagent.session")
 
 READY_TIMEOUT_S = 30.0
-_DOWNLOAD_BUFFER_FRAMES = 16  # frames of 64 KiB held between the runner and a download's client
+_DOWNLOAD_BUFFER_FRAMES = 2  # frames of wire.CHUNK (1 MiB) held between the runner and a download's client
 MAX_LISTED = 10_000  # the most files a listing holds, as runner/supervisor.js
 _WINDOW_CAP: dict[Stream, int] = {"stdout": STDOUT_CAP, "stderr": STDERR_CAP}  # as runner/supervisor.js
 
@@ -498,6 +498,7 @@ class SessionContainer:
         pending = self._expect(request_id)
         await self._send(wire.request(wire.PUT, id=request_id, path=path))
         size = 0
+        held = bytearray()  # the body's pieces, sent in frames of wire.CHUNK (fewer hops per byte)
         try:
             async for chunk in chunks:
                 if pending.done.is_set():
@@ -505,8 +506,12 @@ class SessionContainer:
                 size += len(chunk)
                 if size > max_bytes:
                     raise FileTooLarge(max_bytes)
-                for data in wire.data_frames(chunk):
-                    await self._send(data)
+                held += chunk
+                if len(held) >= wire.CHUNK:
+                    await self._send(b"".join(wire.data_frames(held)))
+                    held.clear()
+            if held and not pending.done.is_set():
+                await self._send(b"".join(wire.data_frames(held)))
         except BaseException:
             self._pending.pop(request_id, None)
             if not self.ended.is_set():

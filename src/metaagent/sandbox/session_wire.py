@@ -20,7 +20,7 @@ from typing import Any
 from metaagent import text as sandbox_text
 
 HEADER = struct.Struct(">cI")
-CHUNK = 64 * 1024  # file bytes per frame, both ways
+CHUNK = 1024 * 1024  # file bytes per frame, both ways (FILE_CHUNK in supervisor.js)
 # The longest frame the runner may send: a listing of 10,000 files fits, with room.
 MAX_FRAME = 8 * 1024 * 1024
 
@@ -43,9 +43,9 @@ def request(kind: bytes, **fields: Any) -> bytes:
     return encode(kind, json.dumps(fields, ensure_ascii=False).encode())
 
 
-def data_frames(chunk: bytes) -> list[bytes]:
+def data_frames(chunk: bytes | bytearray) -> list[bytes]:
     """File bytes as DATA frames of at most CHUNK bytes each."""
-    return [encode(DATA, chunk[i : i + CHUNK]) for i in range(0, len(chunk), CHUNK)]
+    return [encode(DATA, bytes(chunk[i : i + CHUNK])) for i in range(0, len(chunk), CHUNK)]
 
 
 # A JSON frame longer than this (a listing of thousands of files) is parsed off the event loop, by its
