@@ -296,6 +296,7 @@ def test_a_call_that_handles_its_interrupt_finishes_its_handler_while_the_interr
     )
     answer = python_sessions.run(session, code, timeout_s=1)
     assert (answer["result"], answer["error"], answer["session_ended"]) == ("'cleaned up'", None, False)
+    assert answer["timed_out"] is True  # the service's word: the call ran past its deadline
 
 
 def test_a_call_that_ignores_the_interrupt_ends_the_session(python_sessions: Sessions) -> None:

@@ -463,8 +463,10 @@ class SessionContainer:
             result_incomplete=message.get("result_incomplete") is True,
             thrown=message.get("error") if status == "threw" else None,
             figures=checked_figures(message.get("images"), message.get("images_truncated")),
-            timed_out=timed_out and status == "interrupted",
-            killed=killed and status == "interrupted",
+            # What the service did, not what the program says: code that catches its interrupt and
+            # answers ok (or raises something else) still ran past its deadline, or was killed.
+            timed_out=timed_out,
+            killed=killed,
         )
 
     async def _interrupt(self, pending: _Pending, request_id: int, reason: str) -> None:
