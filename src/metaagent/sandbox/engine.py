@@ -13,6 +13,7 @@ raises `EngineTimeout` (an `EngineUnavailable`) that names the call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -342,7 +343,10 @@ class Engine:
     async def start(self, container_id: str) -> None:
         def start() -> None:
             self.api.start(container_id)
-            self.oom_watch.watch(container_id)  # its cgroup exists from now on, and no code has run yet
+            # Its cgroup exists from now on, and no code has run yet. A watch that fails leaves the
+            # engine's report alone; it never fails the start.
+            with contextlib.suppress(OSError):
+                self.oom_watch.watch(container_id)
 
         await self._run(start)
 

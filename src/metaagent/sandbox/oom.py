@@ -111,7 +111,11 @@ class OomWatch:
             control = os.open(cgroup / "memory.oom_control", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return False
-        eventfd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        try:
+            eventfd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        except OSError:  # out of descriptors: this container goes unwatched
+            os.close(control)
+            return False
         watch = _Watch(eventfd, control)
         try:
             (cgroup / "cgroup.event_control").write_text(f"{eventfd} {control}")
