@@ -35,7 +35,7 @@ class WireError(Exception):
     """The runner's stream broke the protocol."""
 
 
-def encode(kind: bytes, payload: bytes) -> bytes:
+def encode(kind: bytes, payload: bytes | bytearray) -> bytes:
     return HEADER.pack(kind, len(payload)) + payload
 
 
@@ -45,7 +45,7 @@ def request(kind: bytes, **fields: Any) -> bytes:
 
 def data_frames(chunk: bytes | bytearray) -> list[bytes]:
     """File bytes as DATA frames of at most CHUNK bytes each."""
-    return [encode(DATA, bytes(chunk[i : i + CHUNK])) for i in range(0, len(chunk), CHUNK)]
+    return [encode(DATA, chunk[i : i + CHUNK]) for i in range(0, len(chunk), CHUNK)]
 
 
 # A JSON frame longer than this (a listing of thousands of files) is parsed off the event loop, by its
