@@ -147,7 +147,9 @@ async def _one_in_process(
     probe.marks.clear()
     clock.marked = False
     execution_id = new_execution_id()
-    spec = container_spec(execution_id, image, DEFAULT_MEMORY_MB, cpus, runtime=runtime)
+    spec = container_spec(
+        execution_id, image, DEFAULT_MEMORY_MB, cpus, runtime=runtime, cpu_control=engine.cpu_control.available
+    )
     probe.mark("begin")
     prepared = None
     if warm:

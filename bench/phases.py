@@ -158,7 +158,9 @@ async def _warm_container(
     engine: TimedEngine, image: str, cpus: float, runtime: Runtime
 ) -> tuple[str, ContainerSpec, Prepared]:
     execution_id = new_execution_id()
-    spec = container_spec(execution_id, image, DEFAULT_MEMORY_MB, cpus, runtime=runtime)
+    spec = container_spec(
+        execution_id, image, DEFAULT_MEMORY_MB, cpus, runtime=runtime, cpu_control=engine.cpu_control.available
+    )
     prepared = await prepare(engine, spec, start=True)
     if not await wait_ready(prepared):
         prepared.sock.close()

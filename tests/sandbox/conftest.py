@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import threading
 import time
@@ -17,6 +18,7 @@ import docker
 import httpx2
 import pytest
 
+from metaagent.sandbox.cgroups import mounted_hierarchy
 from metaagent.sandbox.runtime import RUNC, RUNSC, Runtime
 from tests.test_cli import METAAGENT, clean_env, free_port
 
@@ -348,3 +350,21 @@ class HealthProber:
         self._done.set()
         self._thread.join()
         return self.latencies
+
+
+@contextmanager
+def private_cgroup_branch(controller: str) -> Iterator[Path]:
+    """A private branch of the host's cgroup v1 hierarchy of `controller`, laid out as Docker's
+    (<branch>/docker/<id>), removed afterwards with whatever the test made in it."""
+    mounted = mounted_hierarchy(controller)
+    if mounted is None:
+        pytest.skip(f"this host has no cgroup v1 {controller} hierarchy (see sandbox/cgroups.py)")
+    branch = mounted / f"metaagent-test-{secrets.token_hex(6)}"
+    (branch / "docker").mkdir(parents=True)
+    try:
+        yield branch
+    finally:
+        for cgroup in sorted(branch.rglob("*"), key=lambda path: len(path.parts), reverse=True):
+            if cgroup.is_dir():
+                cgroup.rmdir()
+        branch.rmdir()

@@ -1,11 +1,13 @@
 """A container's CPU weight: low while its runner loads, a running execution's before any user code runs.
 
-Read from the engine (and from the cgroup the engine made, where this host's layout shows it) while the
-code runs: what the engine enforces, not what the service meant to ask for.
+Read from the container's cgroup while the code runs: what the kernel enforces, not what the service meant
+to ask for, nor the engine's record (which keeps the values of the create: the service sets a running
+container's limits in its cgroup, see `metaagent.sandbox.cgroups.CpuControl`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,11 +20,18 @@ import pytest
 from metaagent.executions import new_execution_id
 from metaagent.languages.container import container_spec
 from metaagent.languages.javascript.image import image_tag
+from metaagent.sandbox.cgroups import CpuControl, container_cgroup, mounted_hierarchy
 from metaagent.sandbox.engine import RUNNING_CPU_SHARES, STARTING_CPU_SHARES, Engine
 from metaagent.sandbox.execute import prepare
-from metaagent.sandbox.runtime import RUNC, RUNSC, registration_problem
+from metaagent.sandbox.runtime import RUNC, RUNSC, Runtime, registration_problem
 from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB
-from tests.sandbox.conftest import Service, audit_record, running_service, wait_for_warm_containers
+from tests.sandbox.conftest import (
+    Service,
+    audit_record,
+    private_cgroup_branch,
+    running_service,
+    wait_for_warm_containers,
+)
 from tests.sandbox.test_runtime import engine_runtimes
 
 pytestmark = pytest.mark.docker
@@ -31,41 +40,92 @@ CPUS = 0.5
 PERIOD_US = 100_000
 # Says it runs, then keeps running long enough to be looked at (the stream shows when it has started).
 RUNNING_CODE = "console.log('running'); setTimeout(() => console.log('done'), 1500)"
+RUNTIMES = {"runc": RUNC, "runsc": RUNSC}
 
 
-def cpu_limits(client: docker.DockerClient, container_id: str) -> tuple[int, int]:
-    """(cpu.shares, CPU quota in µs per 100 ms) as the engine holds them, checked against the cgroup."""
-    host_config = client.api.inspect_container(container_id)["HostConfig"]
-    shares, quota = int(host_config["CpuShares"]), int(host_config["CpuQuota"])
-    for controller in ("cpu,cpuacct", "cpu"):  # cgroup v1 with the cgroupfs driver, as scripts/ensure-docker runs it
-        cgroup = Path("/sys/fs/cgroup") / controller / "docker" / container_id
-        if cgroup.is_dir():
-            assert int((cgroup / "cpu.shares").read_text()) == shares
-            assert int((cgroup / "cpu.cfs_quota_us").read_text()) == quota
-            break
-    return shares, quota
+def cpu_hierarchy() -> Path:
+    hierarchy = mounted_hierarchy("cpu")
+    assert hierarchy is not None, "a cgroup v1 cpu hierarchy, as scripts/ensure-docker runs the engine"
+    return hierarchy
 
 
-def test_a_starting_container_has_a_low_cpu_weight_and_every_cpu(docker_client: docker.DockerClient) -> None:
-    spec = container_spec(new_execution_id(), image_tag(), DEFAULT_MEMORY_MB, CPUS, runtime=RUNC)
-    assert spec.start_cpus is not None
+def cpu_limits(container_id: str) -> tuple[int, int]:
+    """(cpu.shares, CPU quota in µs per 100 ms) of the container, as its cgroup holds them."""
+    cgroup = container_cgroup(cpu_hierarchy(), container_id)
+    assert cgroup is not None, f"container {container_id[:12]} has no cgroup where Docker puts one"
+    assert int((cgroup / "cpu.cfs_period_us").read_text()) == PERIOD_US
+    return int((cgroup / "cpu.shares").read_text()), int((cgroup / "cpu.cfs_quota_us").read_text())
 
-    async def created() -> tuple[int, int]:
+
+def usable(runtime: Runtime, client: docker.DockerClient) -> Runtime:
+    if runtime is RUNSC:
+        assert registration_problem(engine_runtimes(client)) is None, "run scripts/ensure-docker (CI does)"
+    return runtime
+
+
+@pytest.mark.parametrize("runtime_name", RUNTIMES)
+def test_a_starting_container_has_a_low_cpu_weight_and_every_cpu_and_then_its_executions_limits(
+    runtime_name: str, docker_client: docker.DockerClient
+) -> None:
+    """Under runsc too, whose engine cannot update a running container: the service sets its cgroup."""
+    runtime = usable(RUNTIMES[runtime_name], docker_client)
+
+    async def starting_then_limited() -> tuple[tuple[int, int], tuple[int, int]]:
         engine = Engine()
         try:
+            assert engine.cpu_control.available, engine.cpu_control.failure
+            spec = container_spec(
+                new_execution_id(), image_tag(), DEFAULT_MEMORY_MB, CPUS, runtime=runtime, cpu_control=True
+            )
+            assert spec.start_cpus is not None
             prepared = await prepare(engine, spec, start=True)
             try:
-                return cpu_limits(docker_client, prepared.container_id)
+                starting = cpu_limits(prepared.container_id)
+                await prepared.limit_cpus(engine)
+                return starting, cpu_limits(prepared.container_id)
             finally:
                 prepared.sock.close()
                 await engine.remove(prepared.container_id)
         finally:
             engine.close()
 
-    assert anyio.run(created) == (STARTING_CPU_SHARES, int(spec.start_cpus * PERIOD_US))
+    starting, limited = anyio.run(starting_then_limited)
+    assert starting == (STARTING_CPU_SHARES, (os.cpu_count() or 1) * PERIOD_US)
+    assert limited == (RUNNING_CPU_SHARES, int(CPUS * PERIOD_US))
 
 
-def limits_while_the_code_runs(service: Service, client: docker.DockerClient, path: str) -> tuple[int, int]:
+def test_without_cpu_control_a_runsc_container_has_its_executions_limits_from_its_create() -> None:
+    spec = container_spec(new_execution_id(), image_tag(), DEFAULT_MEMORY_MB, CPUS, runtime=RUNSC)
+    assert (spec.start_cpus, spec.start_cpu_shares) == (None, None)
+
+
+@pytest.fixture
+def cpu_branch() -> Iterator[Path]:
+    with private_cgroup_branch("cpu") as branch:
+        yield branch
+
+
+def test_cpu_control_writes_the_quota_and_weight_and_turns_itself_off_where_it_finds_no_cgroup(
+    cpu_branch: Path,
+) -> None:
+    cgroup = cpu_branch / "docker" / "abc"
+    cgroup.mkdir()
+    control = CpuControl(cpu_branch)
+    assert control.available
+    assert control.limit("abc", 0.25, 512)
+    assert int((cgroup / "cpu.cfs_quota_us").read_text()) == int(0.25 * int((cgroup / "cpu.cfs_period_us").read_text()))
+    assert int((cgroup / "cpu.shares").read_text()) == 512
+    # A container of the engine's with no cgroup here: the engine's cgroups are elsewhere, so the service
+    # stops starting containers apart (their limits would have no one to set them).
+    assert not control.limit("not-here", 0.5, 1024)
+    assert not control.available
+    assert "not-here" in str(control.failure)
+    assert not control.limit("abc", 0.5, 1024)  # off stays off
+    assert int((cgroup / "cpu.shares").read_text()) == 512
+    assert not CpuControl(None).available
+
+
+def limits_while_the_code_runs(service: Service, path: str) -> tuple[int, int]:
     """The CPU limits of the container running RUNNING_CODE, read once the program has printed; the
     execution must have taken `path` (warm or cold), as its audit record says."""
     body: dict[str, Any] = {"code": RUNNING_CODE, "timeout_s": 10}
@@ -77,7 +137,7 @@ def limits_while_the_code_runs(service: Service, client: docker.DockerClient, pa
         assert (first.event, first.json()["text"]) == ("stdout", "running\n")
         executions = service.get("/executions").json()["executions"]
         assert len(executions) == 1, executions
-        limits = cpu_limits(client, executions[0]["container_id"])
+        limits = cpu_limits(executions[0]["container_id"])
         rest = list(events)
     assert rest[-1].event == "result"
     assert rest[-1].json()["stdout"] == "running\ndone\n"
@@ -86,24 +146,13 @@ def limits_while_the_code_runs(service: Service, client: docker.DockerClient, pa
 
 
 @pytest.mark.parametrize("pool", ["warm", "cold"])
-def test_under_runc_the_weight_and_share_of_a_running_execution_are_set_before_its_code_runs(
-    pool: str, tmp_path: Path, docker_client: docker.DockerClient
+@pytest.mark.parametrize("runtime_name", RUNTIMES)
+def test_the_weight_and_share_of_a_running_execution_are_set_before_its_code_runs(
+    runtime_name: str, pool: str, tmp_path: Path, docker_client: docker.DockerClient
 ) -> None:
-    settings = {"METAAGENT_SANDBOX_RUNTIME": "runc", "METAAGENT_POOL_ENABLED": str(pool == "warm").lower()}
+    runtime = usable(RUNTIMES[runtime_name], docker_client)
+    settings = {"METAAGENT_SANDBOX_RUNTIME": runtime.name, "METAAGENT_POOL_ENABLED": str(pool == "warm").lower()}
     with running_service(tmp_path, **settings) as service:
         if pool == "warm":
             wait_for_warm_containers(service)
-        limits = limits_while_the_code_runs(service, docker_client, pool)
-        assert limits == (RUNNING_CPU_SHARES, int(CPUS * PERIOD_US))
-
-
-def test_under_runsc_an_execution_has_a_running_executions_weight_and_share_from_its_start(
-    tmp_path: Path, docker_client: docker.DockerClient
-) -> None:
-    assert registration_problem(engine_runtimes(docker_client)) is None, "run scripts/ensure-docker (CI does)"
-    # runsc cannot change a running container's limits, so they are final at create.
-    spec = container_spec(new_execution_id(), image_tag(), DEFAULT_MEMORY_MB, CPUS, runtime=RUNSC)
-    assert (spec.start_cpus, spec.start_cpu_shares) == (None, None)
-    with running_service(tmp_path, METAAGENT_SANDBOX_RUNTIME="runsc", METAAGENT_POOL_ENABLED="false") as service:
-        limits = limits_while_the_code_runs(service, docker_client, "cold")
-        assert limits == (RUNNING_CPU_SHARES, int(CPUS * PERIOD_US))
+        assert limits_while_the_code_runs(service, pool) == (RUNNING_CPU_SHARES, int(CPUS * PERIOD_US))

@@ -3,7 +3,6 @@ while a container lives (sandbox/oom.py), beside the engine's report, which unde
 
 from __future__ import annotations
 
-import secrets
 import subprocess
 import sys
 import time
@@ -12,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from metaagent.sandbox.oom import MOUNTINFO, OomWatch, memory_hierarchy
-from tests.sandbox.conftest import RunJs, Service, metric_value
+from metaagent.sandbox.cgroups import v1_hierarchy
+from metaagent.sandbox.oom import OomWatch
+from tests.sandbox.conftest import RunJs, Service, metric_value, private_cgroup_branch
 
 pytestmark = [pytest.mark.security]
 
@@ -24,17 +24,8 @@ KILLS_IN_A_ROW = 20
 
 @pytest.fixture
 def hierarchy() -> Iterator[Path]:
-    """A private branch of the host's memory hierarchy, laid out as Docker's: <branch>/docker/<id>."""
-    mounted = memory_hierarchy(MOUNTINFO.read_text())
-    if mounted is None:
-        pytest.skip("this host has no cgroup v1 memory hierarchy (the watch is then off; see sandbox/oom.py)")
-    branch = mounted / f"metaagent-test-{secrets.token_hex(6)}"
-    (branch / "docker").mkdir(parents=True)
-    yield branch
-    for cgroup in sorted(branch.rglob("*"), key=lambda path: len(path.parts), reverse=True):
-        if cgroup.is_dir():
-            cgroup.rmdir()
-    branch.rmdir()
+    with private_cgroup_branch("memory") as branch:
+        yield branch
 
 
 def cgroup_of(hierarchy: Path, container_id: str, limit_mb: int) -> Path:
@@ -90,8 +81,8 @@ def test_a_container_the_watch_cannot_find_is_left_to_the_engines_report(hierarc
 def test_the_memory_hierarchy_is_found_in_mountinfo_and_without_one_the_watch_is_off() -> None:
     v1 = "38 29 0:33 / /sys/fs/cgroup/memory rw,relatime shared:14 - cgroup cgroup rw,memory\n"
     v2 = "36 25 0:31 / /sys/fs/cgroup rw,relatime shared:9 - cgroup2 cgroup2 rw,nsdelegate\n"
-    assert memory_hierarchy(v2 + v1) == Path("/sys/fs/cgroup/memory")
-    assert memory_hierarchy(v2) is None
+    assert v1_hierarchy(v2 + v1, "memory") == Path("/sys/fs/cgroup/memory")
+    assert v1_hierarchy(v2, "memory") is None
     watch = OomWatch(None)
     assert not watch.available
     assert watch.failure == "no cgroup v1 memory hierarchy is mounted"

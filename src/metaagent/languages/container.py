@@ -31,10 +31,13 @@ def container_spec(
     workspace_mb: int = 100,
     runtime: Runtime = RUNC,
     language: Language = DEFAULT_LANGUAGE,
+    cpu_control: bool = False,
 ) -> ContainerSpec:
-    """The container of one execution. `command` replaces the runner only in the tests of the container layer."""
+    """The container of one execution. `command` replaces the runner only in the tests of the container layer.
+    `cpu_control`: whether the service sets a running container's CPU limits in its cgroup (`Engine.cpu_control`),
+    which lets a container start apart under a runtime whose engine cannot update it."""
     runner = language.runner_command(memory_mb)
-    starts_apart = runtime.updates_cpus and not command
+    starts_apart = (runtime.updates_cpus or cpu_control) and not command
     return ContainerSpec(
         # The trusted runner loads (its interpreter and the gate) with the machine's CPUs, not the
         # execution's share, and with a starting container's low CPU weight; the share and a running

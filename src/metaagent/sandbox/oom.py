@@ -30,9 +30,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from metaagent.sandbox.cgroups import container_cgroup, mounted_hierarchy
+
 log = logging.getLogger("metaagent.engine")
 
-MOUNTINFO = Path("/proc/self/mountinfo")
 # Records of containers whose cgroup is gone and that nobody forgot (removed by another hand): past this
 # many watches, those are dropped first.
 MAX_WATCHED = 4096
@@ -54,33 +55,13 @@ class _Watch:
             os.close(self.control)
 
 
-def memory_hierarchy(mountinfo: str) -> Path | None:
-    """Where the cgroup v1 memory hierarchy is mounted, from /proc/self/mountinfo's text; None if nowhere."""
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if " - " not in line or len(fields) < 5:
-            continue
-        after = line.split(" - ", 1)[1].split()
-        if len(after) >= 3 and after[0] == "cgroup" and "memory" in after[2].split(","):
-            return Path(fields[4])
-    return None
-
-
-def cgroup_candidates(hierarchy: Path, container_id: str) -> tuple[Path, ...]:
-    """The memory cgroups Docker makes for a container by default: cgroupfs's, then systemd's."""
-    return hierarchy / "docker" / container_id, hierarchy / "system.slice" / f"docker-{container_id}.scope"
-
-
 class OomWatch:
     """Records the OOM notifications of each watched container's memory cgroup (see the module's text)."""
 
     @classmethod
     def of_this_host(cls) -> OomWatch:
         """A watch of the memory hierarchy this process sees mounted (none: a watch that is off)."""
-        try:
-            return cls(memory_hierarchy(MOUNTINFO.read_text()))
-        except OSError:
-            return cls(None)
+        return cls(mounted_hierarchy("memory"))
 
     def __init__(self, hierarchy: Path | None) -> None:
         self.hierarchy = hierarchy
@@ -104,7 +85,7 @@ class OomWatch:
         report then stands alone). Blocking file calls: run it where the engine's calls run."""
         if not self.available or self.hierarchy is None or container_id in self._watches:
             return container_id in self._watches
-        cgroup = next((path for path in cgroup_candidates(self.hierarchy, container_id) if path.is_dir()), None)
+        cgroup = container_cgroup(self.hierarchy, container_id)
         if cgroup is None:
             return False
         try:

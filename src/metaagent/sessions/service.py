@@ -375,7 +375,7 @@ class Sessions:
             spec = container_spec(
                 new_execution_id(), image_ref, request.memory_mb, interpreter.cpus, mounts=mounts,
                 workspace_mb=self.workspace_mb, runtime=await interpreter.runtime_in_force(),
-                language=language,
+                language=language, cpu_control=self.engine.cpu_control.available,
             )  # fmt: skip
             session.security = spec.security_context()
             prepared = await prepare(self.engine, spec, start=True)

@@ -274,6 +274,7 @@ class CodeInterpreter:
                     workspace_mb=self.workspace_mb,
                     runtime=runtime,
                     language=lane.language,
+                    cpu_control=self.engine.cpu_control.available,
                 )
             )
             self.registry.add(execution)
@@ -344,6 +345,7 @@ class CodeInterpreter:
                 workspace_mb=self.workspace_mb,
                 runtime=await self.runtime_in_force(),
                 language=language,
+                cpu_control=self.engine.cpu_control.available,
             )
 
         return pool_spec
