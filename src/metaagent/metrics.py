@@ -9,6 +9,8 @@
     metaagent_pool_containers{language}          warm containers ready in the language's pool
     metaagent_pool_target{language}              containers that pool aims to hold now, lent ones included
                                                  (it follows demand between its floor and ceiling)
+    metaagent_pool_starts_per_second{language}   warm starts a second this machine sustains, from the pool's
+                                                 recent starts (sandbox/sizing.py, StartCost); 0 before the first
     metaagent_pool_start_retries_total           warm containers whose runner died before any code was
                                                  handed over (a crash at start); the pool starts another
     metaagent_egress_blocked_total{tool}         outbound requests the egress guard refused
@@ -50,6 +52,8 @@ class _Pool(Protocol):
     @property
     def size(self) -> int: ...
 
+    def starts_per_second(self) -> float: ...
+
 
 class _Admission(Protocol):
     @property
@@ -73,6 +77,11 @@ POOL_CONTAINERS = Gauge(
 POOL_TARGET = Gauge(
     "metaagent_pool_target",
     "Containers the language's warm pool aims to hold now (lent ones included); follows demand",
+    ["language"],
+)
+POOL_STARTS_PER_SECOND = Gauge(
+    "metaagent_pool_starts_per_second",
+    "Warm starts a second this machine sustains, from the language's pool's recent starts (0 before the first)",
     ["language"],
 )
 POOL_START_RETRIES = Counter(
@@ -123,6 +132,7 @@ def watch_pool(pool: _Pool, language: str) -> None:
     """The pool gauges of `language` read this pool (that language's lane) when scraped."""
     POOL_CONTAINERS.labels(language=language).set_function(lambda: pool.ready)
     POOL_TARGET.labels(language=language).set_function(lambda: pool.size)
+    POOL_STARTS_PER_SECOND.labels(language=language).set_function(pool.starts_per_second)
 
 
 def pool_start_retry() -> None:

@@ -3,6 +3,7 @@ a size that follows demand within a ceiling and a memory budget."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -17,15 +18,16 @@ from prometheus_client import REGISTRY
 
 from metaagent.languages.container import container_spec
 from metaagent.sandbox.engine import OWNER_PID_LABEL, ContainerSpec, Engine
-from metaagent.sandbox.pool import Warm, WarmPool
+from metaagent.sandbox.pool import PARALLEL_STARTS, Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
-from metaagent.sandbox.runtime import Runtime
+from metaagent.sandbox.runtime import RUNC, Runtime
 from metaagent.sandbox.sizing import PoolLimits
 from tests.sandbox.conftest import (
     Service,
     audit_record,
     code_runner,
     labelled_containers,
+    metric_value,
     owned_containers,
     running_service,
     wait_for_warm_containers,
@@ -47,6 +49,19 @@ def test_each_warm_container_serves_one_execution_and_is_gone_afterwards(
     for container_id in containers:
         with pytest.raises(docker.errors.NotFound):
             docker_client.containers.get(container_id)
+
+
+def test_the_pool_reports_what_its_starts_cost_and_the_pace_of_starts_this_machine_sustains(
+    sandbox_service: Service,
+) -> None:
+    starts = wait_for_warm_containers(sandbox_service)["starts"]
+    assert starts["measured"] >= 1
+    assert starts["wall_ms"] > 0
+    assert starts["cpu_ms"] > 0  # the container's own CPU to its ready line, from its cgroup
+    by_wall, by_cpu = PARALLEL_STARTS / (starts["wall_ms"] / 1000), (os.cpu_count() or 1) / (starts["cpu_ms"] / 1000)
+    assert starts["per_second"] == pytest.approx(min(by_wall, by_cpu), rel=0.01)
+    gauge = 'metaagent_pool_starts_per_second{language="javascript"}'
+    assert metric_value(sandbox_service, gauge) > 0
 
 
 def test_a_warm_execution_gets_its_whole_timeout_however_long_the_container_waited(sandbox_service: Service) -> None:
@@ -117,7 +132,8 @@ def test_no_pool_when_it_is_off(tmp_path: Path, docker_client: docker.DockerClie
         result = code_runner(service, "cold")("console.log('cold')")
         pool = service.get("/health").json()["checks"]["warm_pool"]
         assert result.stdout == "cold\n"
-        off = {"ok": True, "ready": 0, "size": 0, "served": 0, "floor": 0, "ceiling": 0, "memory_budget_mb": 0}
+        off = {"ok": True, "floor": 0, "ceiling": 0, "memory_budget_mb": 0, "ready": 0, "size": 0, "served": 0}
+        off["starts"] = None  # no start yet: nothing to tell of what one costs
         assert pool == {**off, "languages": {"javascript": off}}
         assert owned_containers(docker_client, service.pid) == []
 
@@ -434,7 +450,8 @@ def test_the_pool_grows_with_demand_and_shrinks_back_to_its_floor_one_step_at_a_
 
     async def go() -> tuple[int, int, list[tuple[int, int, int]]]:
         engine = Engine()
-        # The window (0.5) ends within one decay step (1.0) of the clock; the pool looks again each second.
+        # The window (0.5, or what a start took) ends within a few decay steps (1.0) of the clock; the pool
+        # looks again each second.
         pool = _runner_pool(engine, tmp_path, sandbox_runtime, limits, window_s=0.5, decay_s=1.0, clock=clock)
 
         async def level() -> tuple[int, int, int]:
@@ -465,6 +482,32 @@ def test_the_pool_grows_with_demand_and_shrinks_back_to_its_floor_one_step_at_a_
 
     before, grown, levels = anyio.run(go)
     assert (before, grown) == (1, 3)
-    # (target, ready, the engine's count): each step removes an idle container, down to the floor.
-    assert levels == [(3, 3, 3), (2, 2, 2), (1, 1, 1)]
+    # (target, ready, the engine's count): each step removes an idle container, down to the floor. The
+    # pool counts demand over at least the time its starts took (real seconds, here the clock's steps),
+    # so the level may hold for a step or two before it falls.
+    targets = [target for target, _, _ in levels]
+    assert all(level == (target, target, target) for level, target in zip(levels, targets, strict=True))
+    assert sorted(set(targets), reverse=True) == [3, 2, 1]
+    assert all(0 <= earlier - later <= 1 for earlier, later in itertools.pairwise(targets))
+    assert targets.count(2) == 1
     assert owned_containers(docker_client, os.getpid()) == []
+
+
+@pytest.mark.parametrize(("start_s", "left"), [(None, 2), (2.0, 3)])
+def test_demand_is_counted_over_at_least_the_time_a_start_takes_on_this_machine(
+    start_s: float | None, left: int, tmp_path: Path
+) -> None:
+    """Pure logic: the pool is never run (no container starts; a start's cost is recorded by hand)."""
+    clock = _Clock()
+    engine = Engine()
+    try:
+        pool = _runner_pool(engine, tmp_path, RUNC, PoolLimits(1, 8, 1024), window_s=1.0, decay_s=1.0, clock=clock)
+        if start_s is not None:
+            pool.record_start(start_s, None)
+        for _ in range(3):
+            assert pool.take("any") is None  # empty: three executions go cold, a demand of three
+        assert pool.size == 3
+        clock.now += 1.5  # one decay step; the three are past a 1 s window, within a 2 s one
+        assert pool.size == left
+    finally:
+        engine.close()

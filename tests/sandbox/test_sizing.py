@@ -8,7 +8,14 @@ import pytest
 from pydantic import ValidationError
 
 from metaagent.errors import ConfigError
-from metaagent.sandbox.sizing import PoolLimits, PoolSizer, default_memory_budget_mb, host_memory_mb, pool_limits
+from metaagent.sandbox.sizing import (
+    PoolLimits,
+    PoolSizer,
+    StartCost,
+    default_memory_budget_mb,
+    host_memory_mb,
+    pool_limits,
+)
 from metaagent.settings import Settings, describe_settings_error
 
 WINDOW_S = 2.0
@@ -238,3 +245,28 @@ def test_a_budget_that_is_not_a_positive_number_is_a_settings_error_naming_the_v
     assert message.startswith("METAAGENT_POOL_MEMORY_MB: ")
     assert problem in message
     assert repr(value) in message
+
+
+def test_the_start_rate_is_the_parallel_starts_over_the_median_wall_time_until_the_cpus_bound_it() -> None:
+    cost = StartCost(parallel=2, cpus=2, window=3)
+    assert cost.rate() is None  # before the first start
+    cost.record(0.5, None)  # no CPU figure (no cgroup to read): the wall time alone
+    rate = cost.rate()
+    assert rate is not None
+    assert (rate.measured, rate.wall_s, rate.cpu_s, rate.per_second) == (1, 0.5, None, 4.0)
+    cost.record(0.4, 0.8)
+    cost.record(0.6, 0.8)
+    rate = cost.rate()
+    assert rate is not None
+    # 2 in parallel at a median of 0.5 s would be 4 a second, but 0.8 s of CPU each on 2 CPUs pays for 2.5.
+    assert (rate.wall_s, rate.cpu_s, rate.per_second) == (0.5, 0.8, 2.5)
+    assert rate.as_dict() == {"measured": 3, "wall_ms": 500.0, "cpu_ms": 800.0, "per_second": 2.5}
+
+
+def test_the_start_rate_follows_the_last_starts_only() -> None:
+    cost = StartCost(parallel=1, cpus=4, window=3)
+    for wall_s in (0.1, 0.1, 0.1, 1.0, 1.0, 1.0):  # the machine became busy
+        cost.record(wall_s, None)
+    rate = cost.rate()
+    assert rate is not None
+    assert (rate.measured, rate.wall_s, rate.per_second) == (6, 1.0, 1.0)

@@ -108,6 +108,9 @@ def _pool_check(lane: Lane, whole_service: bool) -> dict[str, Any]:
     }
     if whole_service:  # `size` is the target now: it follows demand between floor and ceiling.
         check |= {"ready": pool.ready, "size": pool.size, "served": pool.served}
+        # What a start costs here and how many a second the machine sustains (null before the first start).
+        rate = pool.start_cost.rate()
+        check["starts"] = None if rate is None else rate.as_dict()
     return check
 
 

@@ -65,10 +65,11 @@ class CpuControl:
 
     @classmethod
     def of_this_host(cls) -> CpuControl:
-        return cls(mounted_hierarchy("cpu"))
+        return cls(mounted_hierarchy("cpu"), mounted_hierarchy("cpuacct"))
 
-    def __init__(self, hierarchy: Path | None) -> None:
+    def __init__(self, hierarchy: Path | None, accounting: Path | None = None) -> None:
         self.hierarchy = hierarchy
+        self.accounting = accounting  # cpuacct, for `used_s` (read only)
         self.failure: str | None = None
         if hierarchy is None:
             self._fail("no cgroup v1 cpu hierarchy is mounted")
@@ -96,6 +97,16 @@ class CpuControl:
                 self._fail(f"the cpu cgroup cannot be written ({exc})")
             return False
         return True
+
+    def used_s(self, container_id: str) -> float | None:
+        """The CPU time every process of the container has used so far (None where it cannot be read)."""
+        cgroup = None if self.accounting is None else container_cgroup(self.accounting, container_id)
+        if cgroup is None:
+            return None
+        try:
+            return int((cgroup / "cpuacct.usage").read_text()) / 1e9
+        except (OSError, ValueError):
+            return None
 
     def _fail(self, reason: str) -> None:
         if self.failure is None:

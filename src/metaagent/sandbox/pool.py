@@ -17,6 +17,7 @@ or being removed than the budget allows.
 from __future__ import annotations
 
 import logging
+import os
 import select
 import time
 from collections import deque
@@ -32,12 +33,12 @@ from metaagent.executions import new_execution_id
 from metaagent.sandbox.engine import ContainerSpec, Engine
 from metaagent.sandbox.execute import Prepared, prepare, wait_ready
 from metaagent.sandbox.provision import SandboxImage
-from metaagent.sandbox.sizing import DECAY_STEP_S, DEMAND_WINDOW_S, PoolLimits, PoolSizer
+from metaagent.sandbox.sizing import DECAY_STEP_S, DEMAND_WINDOW_S, PoolLimits, PoolSizer, StartCost
 
 log = logging.getLogger("metaagent.pool")
 
 # Container starts are CPU-bound in the engine; more in parallel would only slow the executions running.
-_PARALLEL_STARTS = 2
+PARALLEL_STARTS = 2
 _MAX_BACKOFF_S = 5.0
 # How long an execution that found the pool empty waits for a start in flight before it goes cold.
 _TAKE_WAIT_S = 10.0
@@ -88,7 +89,10 @@ class WarmPool:
         self.memory_mb = memory_mb  # the one configuration served warm; other requests take the cold path
         idle_max = limits.memory_budget_mb // memory_mb
         self._sizer = PoolSizer(limits.floor, limits.ceiling, idle_max, window_s=window_s, decay_s=decay_s, clock=clock)
+        self._window_s = window_s
         self._make_spec = make_spec
+        # What this machine's starts cost, from the pool's own: GET /health and the metrics report the pace.
+        self.start_cost = StartCost(PARALLEL_STARTS, os.cpu_count() or 1)
         self._ready: deque[Warm] = deque()
         self._starting = 0
         self._removing = 0  # discarded or retired containers whose removal is under way: they still hold memory
@@ -116,6 +120,11 @@ class WarmPool:
         memory budget lets it hold besides the lent ones."""
         target = self._sizer.target(self._lent + len(self._takers))
         return min(target, self._lent + self._sizer.idle_max)
+
+    def starts_per_second(self) -> float:
+        """The pace of starts this machine sustains, from the pool's recent ones (0 before the first)."""
+        rate = self.start_cost.rate()
+        return 0.0 if rate is None else rate.per_second
 
     def _held(self) -> int:
         """The containers the pool itself holds, which the memory budget bounds (lent ones are not)."""
@@ -243,7 +252,7 @@ class WarmPool:
                     self._trim()
                     missing = self._missing()
                     wait_s = self._retry_at - time.monotonic()
-                    if wait_s <= 0 and missing > 0 and self._starting < _PARALLEL_STARTS:
+                    if wait_s <= 0 and missing > 0 and self._starting < PARALLEL_STARTS:
                         self._starting += 1
                         group.start_soon(self._add_one)
                         continue
@@ -284,10 +293,12 @@ class WarmPool:
             tag = await self.image.require()
             execution_id = new_execution_id()
             spec = await self._make_spec(execution_id, tag)
+            began = time.monotonic()
             prepared = await prepare(self.engine, spec, start=True)
             try:
                 ready = await wait_ready(prepared)
                 if ready:
+                    self.record_start(time.monotonic() - began, self.engine.cpu_control.used_s(prepared.container_id))
                     await prepared.limit_cpus(self.engine)  # idle at its limit, as every execution runs
             except BaseException:  # cancelled (a shutdown) while the runner started: nobody else knows it
                 await self._remove(Warm(execution_id, spec, prepared))
@@ -309,6 +320,14 @@ class WarmPool:
             log.info("the warm pool is starting containers again")
         self._failures = 0
         return Warm(execution_id, spec, prepared)
+
+    def record_start(self, wall_s: float, cpu_s: float | None) -> None:
+        """One more start's cost. Demand is counted over at least what a start takes now: what comes in
+        while a replacement starts is what must be in stock (a Python start under runsc takes seconds)."""
+        self.start_cost.record(wall_s, cpu_s)
+        rate = self.start_cost.rate()
+        if rate is not None:
+            self._sizer.window_s = max(self._window_s, rate.wall_s)
 
     async def _how_it_ended(self, container_id: str) -> str:
         """A failed start's exit, for the log: the stream ends a moment before the engine reports the exit."""

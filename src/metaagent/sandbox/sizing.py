@@ -18,6 +18,7 @@ whose quarter of memory holds fewer containers than there are lanes, each lane s
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,10 +28,11 @@ from pathlib import Path
 from metaagent.errors import ConfigError
 from metaagent.settings import POOL_GROWTH, Settings
 
-# About the time one warm start takes on a busy small host (runc 0.3-1 s, gVisor 1-2 s). What came in the
-# last window is then about what must be in stock for an agent loop's back-to-back calls (one every
-# 0.1-0.5 s) not to find the pool empty while their replacements start: 2 s of such calls ask for 4-20
-# containers, the ceiling on a small host. Longer would only overshoot, and the ceiling bounds that.
+# The least window: about the time one JavaScript warm start takes on a busy small host (runc 0.3-1 s,
+# gVisor 1-2 s). What came in the last window is then about what must be in stock for an agent loop's
+# back-to-back calls (one every 0.1-0.5 s) not to find the pool empty while their replacements start: 2 s
+# of such calls ask for 4-20 containers, the ceiling on a small host. Where a start takes longer (Python
+# under gVisor: seconds), the pool widens the window to the median start it measures (`StartCost`).
 DEMAND_WINDOW_S = 2.0
 # An agent's model thinks for seconds to a minute between turns, and a burst (4-16 parallel calls) tends
 # to come again at the next turn. Idle containers use no CPU, only memory within the budget, while each
@@ -165,3 +167,61 @@ class PoolSizer:
         if self._target <= self.floor:
             return None
         return max(0.0, self._level_since + self.decay_s - self._clock())
+
+
+# How many of the pool's last starts say what a start costs now: enough for a steady median, few enough
+# to follow a machine that became busier (a minute of starts at this machine's pace).
+START_COST_WINDOW = 32
+
+
+@dataclass(frozen=True)
+class StartRate:
+    """What the pool's recent starts cost, and the pace of starts this machine sustains from it."""
+
+    measured: int  # starts behind the figures
+    wall_s: float  # median, create to the runner's ready line, at whatever parallelism they ran
+    cpu_s: float | None  # median CPU of the container's own processes (its cgroup) over that time
+    per_second: float  # sustained starts per second, see `StartCost.rate`
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {
+            "measured": self.measured,
+            "wall_ms": round(self.wall_s * 1000, 1),
+            "cpu_ms": None if self.cpu_s is None else round(self.cpu_s * 1000, 1),
+            "per_second": round(self.per_second, 2),
+        }
+
+
+class StartCost:
+    """The cost of the pool's recent starts; pure logic.
+
+    With `parallel` starts kept in flight, each taking the median wall time W, starts complete at
+    `parallel / W` a second (Little's law). Measured while fewer ran at once, W is shorter than it would
+    be with `parallel` competing for the CPU, so the rate is also held to what the CPUs can pay for:
+    `cpus / C`, C the median CPU of a start's container. (The engine's own part of a start, dockerd,
+    containerd and the shim, is not in C: the figure is an upper bound that the wall time usually sets.)
+    """
+
+    def __init__(self, parallel: int, cpus: int, window: int = START_COST_WINDOW) -> None:
+        self.parallel = parallel
+        self.cpus = cpus
+        self._walls: deque[float] = deque(maxlen=window)
+        self._cpus: deque[float] = deque(maxlen=window)
+        self.measured = 0
+
+    def record(self, wall_s: float, cpu_s: float | None) -> None:
+        self.measured += 1
+        self._walls.append(wall_s)
+        if cpu_s is not None:
+            self._cpus.append(cpu_s)
+
+    def rate(self) -> StartRate | None:
+        """None before the first start."""
+        if not self._walls:
+            return None
+        wall = statistics.median(self._walls)
+        cpu = statistics.median(self._cpus) if self._cpus else None
+        per_second = self.parallel / wall if wall > 0 else float("inf")
+        if cpu:
+            per_second = min(per_second, self.cpus / cpu)
+        return StartRate(self.measured, wall, cpu, per_second)
