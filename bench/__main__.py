@@ -18,7 +18,19 @@ from typing import Any
 
 import docker
 
-from bench import allowlist_rate, benign, cpu, http_tool, latency, phases, python, sequential, sessions, throughput
+from bench import (
+    allowlist_rate,
+    benign,
+    cpu,
+    http_tool,
+    latency,
+    phases,
+    python,
+    sequential,
+    sessions,
+    syscalls,
+    throughput,
+)
 from bench.baselines import BENCH_LABEL, DEFAULT_EPICBOX_VENV, Epicbox, ensure_epicbox_venv
 from bench.machine import REPO, describe, load_average, node_path
 from bench.report import render, targets
@@ -28,7 +40,19 @@ from metaagent.languages.python.image import python_image_tag
 from metaagent.sandbox.runtime import RUNSC, registration_problem
 from metaagent.settings import Settings
 
-SECTIONS = ("allowlist", "benign", "cpu", "http", "latency", "phases", "python", "sequential", "sessions", "throughput")
+SECTIONS = (
+    "allowlist",
+    "benign",
+    "cpu",
+    "http",
+    "latency",
+    "phases",
+    "python",
+    "sequential",
+    "sessions",
+    "syscalls",
+    "throughput",
+)
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "latest.json"
 
 
@@ -67,6 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-rounds", type=int, help="CPU section: rounds of every contender (default 5)")
     parser.add_argument("--cpu-batch", type=int, help="CPU section: executions per contender and round (default 4)")
     parser.add_argument("--cpu-phase-iterations", type=int, help="CPU section: in-process runs per path (default 8)")
+    parser.add_argument("--syscall-rounds", type=int, help="syscalls section: runs per program (default 5)")
     parser.add_argument("--no-runsc", action="store_true", help="leave the runsc (gVisor) rows out")
     parser.add_argument("--no-epicbox", action="store_true", help="leave epicbox out of the latency table")
     parser.add_argument("--epicbox-venv", type=Path, default=DEFAULT_EPICBOX_VENV, help="epicbox's own venv")
@@ -92,6 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("cpu_rounds", 5, 1),
         ("cpu_batch", 4, 2),
         ("cpu_phase_iterations", 8, 1),
+        ("syscall_rounds", 5, 1),
     ]:
         if getattr(args, name) is None:
             setattr(args, name, smoke if quick else full)
@@ -352,6 +378,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "python" in only:
             results["python"] = _python(stack, runsc_problem, args)
 
+        if "syscalls" in only:
+            results["syscalls"] = syscalls.measure(
+                image, runsc=runsc_problem is None, rounds=args.syscall_rounds, progress=progress
+            )
+
     results["machine"]["load_average_end"] = load_average()
     results["targets"] = [target.as_dict() for target in targets(results)]
     return results
@@ -376,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     print(render(results))
     if "python" in results:
         print("\n" + "\n".join(python.lines(results["python"])))
+    if "syscalls" in results:
+        print("\n" + "\n".join(syscalls.lines(results["syscalls"])))
     print(f"\nJSON: {args.output}")
     return 0
 

@@ -44,6 +44,7 @@ from bench.report import cpu_tables, render, runtimes_table, sessions_table, tar
 from bench.sessions import CALL, CREATE, mib_per_second, process_cpu_s, status_kib
 from bench.sessions import NODE as SESSIONS_NODE
 from bench.stats import Summary, Target, format_number, percentile, ratio
+from bench.syscalls import grouped, parse_strace_summary
 from metaagent.sandbox.runtime import RUNSC
 
 
@@ -671,3 +672,22 @@ def test_the_kernel_reports_a_childs_exit_with_its_ids_and_no_more_cpu_than_its_
     assert [(record.tid, record.ppid, record.sampled) for record in records] == [(pid, os.getpid(), False)]
     # The record is made before the process leaves the CPU: at most what the parent is told at the reap.
     assert 0 < records[0].cpu_ns <= (usage.ru_utime + usage.ru_stime) * 1e9 + 1000
+
+
+def test_strace_summaries_are_read_with_or_without_errors_and_grouped_by_kind() -> None:
+    summary = """% time     seconds  usecs/call     calls    errors syscall
+------ ----------- ----------- --------- --------- ----------------
+ 67.13    0.031666         340        93         5 futex
+  2.96    0.001397           6       213       103 openat
+  2.33    0.001099           6       165           mmap
+  0.10    0.000045          22         2           set_tid_address
+  0.05    0.000030           1        10           rt_sigaction
+  0.01    0.000010           1         4           write
+------ ----------- ----------- --------- --------- ----------------
+100.00    0.034247          70       487       108 total
+"""
+    calls = parse_strace_summary(summary)
+    assert calls == {"futex": 93, "openat": 213, "mmap": 165, "set_tid_address": 2, "rt_sigaction": 10, "write": 4}
+    groups = grouped(calls)
+    assert list(groups.values()) == [165, 213, 95, 10, 4]  # memory, files, threads, signals, other
+    assert sum(groups.values()) == 487
