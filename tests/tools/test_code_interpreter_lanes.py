@@ -17,6 +17,7 @@ from metaagent.audit import AuditLog
 from metaagent.errors import RequestRefused, Unavailable
 from metaagent.executions import ExecutionRegistry
 from metaagent.languages import JAVASCRIPT, PYTHON
+from metaagent.sandbox.cgroups import CpuControl
 from metaagent.sandbox.engine import ContainerSpec, Engine
 from metaagent.sandbox.execute import Outcome
 from metaagent.sandbox.output import CappedBuffer
@@ -36,6 +37,7 @@ class ImagesOnlyEngine:
 
     def __init__(self, present: set[str]) -> None:
         self.present = present
+        self.cpu_control = CpuControl(None)  # the limits are the engine's to set, at create
 
     async def image_id(self, tag: str) -> str | None:
         return f"sha256:{tag}" if tag in self.present else None
