@@ -160,13 +160,19 @@ def _throughput(
         before = set(pooled_runsc.container_paths())
         service = throughput.service(pooled_runsc.base_url, concurrency, args.duration)
         paths = [path for execution_id, path in pooled_runsc.container_paths().items() if execution_id not in before]
+        pooled_runsc.wait_pool_full()  # idle while the loop runs, as above
+        loop = throughput.docker_run_loop(image, cpus, concurrency, args.duration, RUNSC)
         runsc_levels.append(
             {
                 "concurrency": concurrency,
                 "service": {**service.as_dict(), "warm": paths.count("warm"), "cold": paths.count("cold")},
+                "docker_run": loop.as_dict(),
             }
         )
-        progress(f"throughput at {concurrency} under runsc: service {service.per_second:.2f}/s")
+        progress(
+            f"throughput at {concurrency} under runsc: service {service.per_second:.2f}/s, "
+            f"docker run --runtime=runsc {loop.per_second:.2f}/s"
+        )
     return {"duration_s": args.duration, "levels": levels, "runsc_levels": runsc_levels}
 
 

@@ -38,6 +38,14 @@ def _runsc_throughput(results: dict[str, Any], concurrency: int) -> tuple[float 
     return runsc, runc
 
 
+def _runsc_loop_ratio(results: dict[str, Any], concurrency: int) -> float | None:
+    """The runsc service's executions/s over a `docker run --rm --runtime=runsc` loop's at one concurrency."""
+    for level in results.get("throughput", {}).get("runsc_levels", []):
+        if level["concurrency"] == concurrency and "docker_run" in level:
+            return _ratio(level["service"]["per_second"], level["docker_run"]["per_second"])
+    return None
+
+
 def _benign_ratio(results: dict[str, Any]) -> float | None:
     totals = results.get("benign", {}).get("total_ms", {})
     if "runsc" not in totals or "runc" not in totals:
@@ -113,6 +121,37 @@ def targets(results: dict[str, Any]) -> list[Target]:
         ),
         *(target for runtime in ("runc", "runsc") for target in _session_targets(results, runtime)),
         *cpu_targets(results),
+        *default_runtime_targets(results),
+    ]
+
+
+def default_runtime_targets(results: dict[str, Any]) -> list[Target]:
+    """Issue 26's: the default runtime (runsc) against node and against a plain runsc start, in one run."""
+    return [
+        Target("issue 26, runsc: back-to-back p50 / node -e", _sequential(results, "runsc", "p50_ratio"), "<=", 2, "x"),
+        Target("issue 26, runsc: back-to-back p95 / node -e", _sequential(results, "runsc", "p95_ratio"), "<=", 4, "x"),
+        Target(
+            "issue 26, runsc: CPU per pooled execution / docker run",
+            cpu_ratio(results, POOLED, "runsc"),
+            "<=",
+            0.4,
+            "x",
+        ),
+        Target("issue 26, runsc: throughput at 4 / docker run loop", _runsc_loop_ratio(results, 4), ">=", 2.5, "x"),
+        Target(
+            "issue 26, runsc: session call (1+1) / node -e",
+            _session_ratio(results, sessions.CALL, "runsc"),
+            "<=",
+            0.08,
+            "x",
+        ),
+        Target(
+            "issue 26, runsc: POST /sessions warm / node -e",
+            _session_ratio(results, sessions.CREATE, "runsc"),
+            "<=",
+            0.3,
+            "x",
+        ),
     ]
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import httpx2
 
 from bench.baselines import EXPECTED_STDOUT, PROGRAM, docker_run_argv
+from metaagent.sandbox.runtime import RUNC, Runtime
 
 
 @dataclass
@@ -69,7 +70,7 @@ def service(base_url: str, concurrency: int, duration_s: float) -> Tally:
     return asyncio.run(_service_clients(base_url, concurrency, duration_s))
 
 
-def docker_run_loop(image: str, cpus: float, concurrency: int, duration_s: float) -> Tally:
+def docker_run_loop(image: str, cpus: float, concurrency: int, duration_s: float, runtime: Runtime = RUNC) -> Tally:
     tally = Tally(concurrency, duration_s)
     lock = threading.Lock()
     end = time.monotonic() + duration_s
@@ -77,7 +78,7 @@ def docker_run_loop(image: str, cpus: float, concurrency: int, duration_s: float
     def one_loop() -> None:
         while time.monotonic() < end:
             done = subprocess.run(
-                docker_run_argv(image, cpus), capture_output=True, text=True, timeout=300, check=False
+                docker_run_argv(image, cpus, runtime), capture_output=True, text=True, timeout=300, check=False
             )
             ok = done.returncode == 0 and done.stdout == EXPECTED_STDOUT
             with lock:

@@ -130,6 +130,10 @@ def test_targets_are_the_issues_ratios_of_one_runs_figures() -> None:
         "runsc: back-to-back calls p50 / node -e p50": (None, "n/a"),
         "host CPU per execution: pooled / docker run --rm": (None, "n/a"),
         "runsc: host CPU per execution: pooled / docker run --rm": (None, "n/a"),
+        "issue 26, runsc: back-to-back p50 / node -e": (None, "n/a"),
+        "issue 26, runsc: back-to-back p95 / node -e": (None, "n/a"),
+        "issue 26, runsc: CPU per pooled execution / docker run": (None, "n/a"),
+        "issue 26, runsc: throughput at 4 / docker run loop": (None, "n/a"),
     }
 
 
@@ -147,11 +151,18 @@ def test_runsc_targets_are_ratios_against_node_and_against_runc_in_the_same_run(
         "throughput": {
             "duration_s": 8,
             "levels": [{"concurrency": 4, "service": {"per_second": 6.0}, "docker_run": {"per_second": 3.0}}],
-            "runsc_levels": [{"concurrency": 4, "service": {"per_second": 3.0}}],
+            "runsc_levels": [
+                {"concurrency": 4, "service": {"per_second": 3.0}, "docker_run": {"per_second": 1.5}},
+            ],
         },
+        "sequential": {"runtimes": {"runsc": {"p50_ratio": 1.6, "p95_ratio": 4.5}}},
     }
     found = {t.name: (t.measured, t.verdict) for t in targets(results)}
     assert found["runsc: pooled p50 / node -e p50"] == (1.6, "miss")
+    # issue 26's, of the default runtime: against node, and against a plain runsc start's loop
+    assert found["issue 26, runsc: back-to-back p50 / node -e"] == (1.6, "pass")
+    assert found["issue 26, runsc: back-to-back p95 / node -e"] == (4.5, "miss")
+    assert found["issue 26, runsc: throughput at 4 / docker run loop"] == (2.0, "miss")
     assert found["runsc: benign programs' total / under runc"] == (1.8, "pass")
     table = runtimes_table(results)
     assert table is not None
