@@ -8,6 +8,7 @@ container's limits in its cgroup, see `metaagent.sandbox.cgroups.CpuControl`).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,11 @@ pytestmark = pytest.mark.docker
 
 CPUS = 0.5
 PERIOD_US = 100_000
-# Says it runs, then keeps running long enough to be looked at (the stream shows when it has started).
-RUNNING_CODE = "console.log('running'); setTimeout(() => console.log('done'), 1500)"
+# Says it runs, then spins on the CPU long enough to be looked at (the stream shows when it has started).
+RUNNING_CODE = "console.log('running'); const end = Date.now() + 2500; while (Date.now() < end); console.log('done')"
+# How long the CPU the spinning code uses is watched. It may use the quota over that time, and one CFS period's
+# quota more at each end of the window (the kernel enforces the quota per 100 ms period).
+WATCH_S = 1.0
 RUNTIMES = {"runc": RUNC, "runsc": RUNSC}
 
 
@@ -125,9 +129,19 @@ def test_cpu_control_writes_the_quota_and_weight_and_turns_itself_off_where_it_f
     assert not CpuControl(None).available
 
 
+def cpu_used_s(container_id: str) -> float:
+    """The CPU every process of the container has used (its cpuacct cgroup's)."""
+    hierarchy = mounted_hierarchy("cpuacct")
+    assert hierarchy is not None
+    cgroup = container_cgroup(hierarchy, container_id)
+    assert cgroup is not None
+    return int((cgroup / "cpuacct.usage").read_text()) / 1e9
+
+
 def limits_while_the_code_runs(service: Service, path: str) -> tuple[int, int]:
-    """The CPU limits of the container running RUNNING_CODE, read once the program has printed; the
-    execution must have taken `path` (warm or cold), as its audit record says."""
+    """The CPU limits of the container running RUNNING_CODE, read once the program has printed, and checked
+    against what it uses while it spins; the execution must have taken `path` (warm or cold), as its audit
+    record says."""
     body: dict[str, Any] = {"code": RUNNING_CODE, "timeout_s": 10}
     url = f"{service.base_url}/tools/code-interpreter"
     with httpx2.stream("POST", url, json=body, headers={"Accept": "text/event-stream"}, timeout=120) as response:
@@ -137,8 +151,15 @@ def limits_while_the_code_runs(service: Service, path: str) -> tuple[int, int]:
         assert (first.event, first.json()["text"]) == ("stdout", "running\n")
         executions = service.get("/executions").json()["executions"]
         assert len(executions) == 1, executions
-        limits = cpu_limits(executions[0]["container_id"])
+        container_id = executions[0]["container_id"]
+        limits = cpu_limits(container_id)
+        # What the kernel enforces, for every process of the sandbox (under runsc: gVisor's too). A busy
+        # machine can only make it less.
+        before, started = cpu_used_s(container_id), time.monotonic()
+        time.sleep(WATCH_S)
+        used_s, watched_s = cpu_used_s(container_id) - before, time.monotonic() - started
         rest = list(events)
+    assert used_s <= CPUS * watched_s + 2 * CPUS * PERIOD_US / 1e6, (used_s, watched_s)
     assert rest[-1].event == "result"
     assert rest[-1].json()["stdout"] == "running\ndone\n"
     assert audit_record(service, rest[-1].json()["execution_id"])["container_path"] == path
