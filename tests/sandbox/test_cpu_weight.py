@@ -18,12 +18,13 @@ import docker
 import httpx2
 import pytest
 
-from metaagent.executions import new_execution_id
+from metaagent.errors import Unavailable
+from metaagent.executions import Execution, new_execution_id
 from metaagent.languages.container import container_spec
 from metaagent.languages.javascript.image import image_tag
-from metaagent.sandbox.cgroups import CpuControl, container_cgroup, mounted_hierarchy
+from metaagent.sandbox.cgroups import MISSES_BEFORE_OFF, CpuControl, container_cgroup, mounted_hierarchy
 from metaagent.sandbox.engine import RUNNING_CPU_SHARES, STARTING_CPU_SHARES, Engine
-from metaagent.sandbox.execute import prepare
+from metaagent.sandbox.execute import execute, payload, prepare
 from metaagent.sandbox.runtime import RUNC, RUNSC, Runtime, registration_problem
 from metaagent.tools.code_interpreter import DEFAULT_MEMORY_MB
 from tests.sandbox.conftest import (
@@ -119,11 +120,17 @@ def test_cpu_control_writes_the_quota_and_weight_and_turns_itself_off_where_it_f
     assert control.limit("abc", 0.25, 512)
     assert int((cgroup / "cpu.cfs_quota_us").read_text()) == int(0.25 * int((cgroup / "cpu.cfs_period_us").read_text()))
     assert int((cgroup / "cpu.shares").read_text()) == 512
-    # A container of the engine's with no cgroup here: the engine's cgroups are elsewhere, so the service
-    # stops starting containers apart (their limits would have no one to set them).
+    # One container without a cgroup (it ended since it was ready) leaves the control on; several in a row
+    # mean the engine's cgroups are elsewhere, so the service stops starting containers apart.
+    assert not control.limit("not-here", 0.5, 1024)
+    assert control.available
+    assert control.limit("abc", 0.25, 512)  # a write that works starts the count again
+    for _ in range(MISSES_BEFORE_OFF - 1):
+        assert not control.limit("not-here", 0.5, 1024)
+    assert control.available
     assert not control.limit("not-here", 0.5, 1024)
     assert not control.available
-    assert "not-here" in str(control.failure)
+    assert "in a row had no cgroup" in str(control.failure)
     assert not control.limit("abc", 0.5, 1024)  # off stays off
     assert int((cgroup / "cpu.shares").read_text()) == 512
     assert not CpuControl(None).available
@@ -177,3 +184,34 @@ def test_the_weight_and_share_of_a_running_execution_are_set_before_its_code_run
         if pool == "warm":
             wait_for_warm_containers(service)
         assert limits_while_the_code_runs(service, pool) == (RUNNING_CPU_SHARES, int(CPUS * PERIOD_US))
+
+
+@pytest.mark.security
+def test_under_runsc_a_container_whose_limits_cannot_be_set_gets_no_code_and_is_removed(
+    docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fail closed: the cgroup write fails, and runsc's engine has no `update` to fall back on."""
+    usable(RUNSC, docker_client)
+
+    async def run() -> str:
+        engine = Engine()
+        monkeypatch.setattr(engine.cpu_control, "limit", lambda *args: False)
+        execution_id = new_execution_id()
+        spec = container_spec(execution_id, image_tag(), DEFAULT_MEMORY_MB, CPUS, runtime=RUNSC, cpu_control=True)
+        assert spec.start_cpus is not None  # started apart: its limits are still to be set
+        try:
+            with pytest.raises(Unavailable):
+                await execute(
+                    engine,
+                    spec,
+                    payload("console.log('ran')", None),
+                    Execution(execution_id, 5, DEFAULT_MEMORY_MB),
+                    timeout_s=5,
+                    grace_s=1,
+                )
+        finally:
+            engine.close()
+        return spec.name
+
+    name = anyio.run(run)
+    assert docker_client.containers.list(all=True, filters={"name": name}) == []

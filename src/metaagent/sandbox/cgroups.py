@@ -18,6 +18,8 @@ from pathlib import Path
 log = logging.getLogger("metaagent.engine")
 
 MOUNTINFO = Path("/proc/self/mountinfo")
+# Containers in a row found without a cgroup before `CpuControl` turns itself off (see `limit`).
+MISSES_BEFORE_OFF = 3
 
 
 def v1_hierarchy(mountinfo: str, controller: str) -> Path | None:
@@ -71,6 +73,7 @@ class CpuControl:
         self.hierarchy = hierarchy
         self.accounting = accounting  # cpuacct, for `used_s` (read only)
         self.failure: str | None = None
+        self._misses = 0  # containers in a row whose cgroup was not found
         if hierarchy is None:
             self._fail("no cgroup v1 cpu hierarchy is mounted")
         elif not os.access(hierarchy, os.W_OK):
@@ -85,9 +88,14 @@ class CpuControl:
         if not self.available or self.hierarchy is None:
             return False
         cgroup = container_cgroup(self.hierarchy, container_id)
-        if cgroup is None:  # a running container of the engine's: the engine is elsewhere, or its cgroups are
-            self._fail(f"container {container_id[:12]} has no cgroup where Docker puts one by default")
+        if cgroup is None:
+            # One container may have ended since it was ready (its cgroup is gone); several in a row without
+            # a write that worked mean the engine's cgroups are elsewhere (another host, another parent).
+            self._misses += 1
+            if self._misses >= MISSES_BEFORE_OFF:
+                self._fail(f"{self._misses} containers in a row had no cgroup where Docker puts one by default")
             return False
+        self._misses = 0
         try:
             period_us = int((cgroup / "cpu.cfs_period_us").read_text())
             (cgroup / "cpu.cfs_quota_us").write_text(str(int(cpus * period_us)))

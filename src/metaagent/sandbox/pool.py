@@ -33,7 +33,14 @@ from metaagent.executions import new_execution_id
 from metaagent.sandbox.engine import ContainerSpec, Engine
 from metaagent.sandbox.execute import Prepared, prepare, wait_ready
 from metaagent.sandbox.provision import SandboxImage
-from metaagent.sandbox.sizing import DECAY_STEP_S, DEMAND_WINDOW_S, PoolLimits, PoolSizer, StartCost
+from metaagent.sandbox.sizing import (
+    DECAY_STEP_S,
+    DEMAND_WINDOW_S,
+    MAX_DEMAND_WINDOW_S,
+    PoolLimits,
+    PoolSizer,
+    StartCost,
+)
 
 log = logging.getLogger("metaagent.pool")
 
@@ -327,7 +334,7 @@ class WarmPool:
         self.start_cost.record(wall_s, cpu_s)
         rate = self.start_cost.rate()
         if rate is not None:
-            self._sizer.window_s = max(self._window_s, rate.wall_s)
+            self._sizer.window_s = max(self._window_s, min(rate.wall_s, MAX_DEMAND_WINDOW_S))
 
     async def _how_it_ended(self, container_id: str) -> str:
         """A failed start's exit, for the log: the stream ends a moment before the engine reports the exit."""

@@ -34,6 +34,9 @@ from metaagent.settings import POOL_GROWTH, Settings
 # of such calls ask for 4-20 containers, the ceiling on a small host. Where a start takes longer (Python
 # under gVisor: seconds), the pool widens the window to the median start it measures (`StartCost`).
 DEMAND_WINDOW_S = 2.0
+# The most the measured start time widens it to: a few starts slowed by a busy minute must not keep the
+# pool large long after (60 s, the start timeout, would).
+MAX_DEMAND_WINDOW_S = 10.0
 # An agent's model thinks for seconds to a minute between turns, and a burst (4-16 parallel calls) tends
 # to come again at the next turn. Idle containers use no CPU, only memory within the budget, while each
 # start costs a few hundred ms of CPU, the scarce thing on a small host: so a level is kept across a turn
@@ -221,7 +224,7 @@ class StartCost:
             return None
         wall = statistics.median(self._walls)
         cpu = statistics.median(self._cpus) if self._cpus else None
-        per_second = self.parallel / wall if wall > 0 else float("inf")
+        per_second = self.parallel / max(wall, 1e-3)
         if cpu:
             per_second = min(per_second, self.cpus / cpu)
         return StartRate(self.measured, wall, cpu, per_second)
