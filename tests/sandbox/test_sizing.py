@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from metaagent.errors import ConfigError
 from metaagent.sandbox.sizing import (
+    MAX_DEMAND_WINDOW_S,
     PoolLimits,
     PoolSizer,
     StartCost,
@@ -270,3 +271,15 @@ def test_the_start_rate_follows_the_last_starts_only() -> None:
     rate = cost.rate()
     assert rate is not None
     assert (rate.measured, rate.wall_s, rate.per_second) == (6, 1.0, 1.0)
+
+
+def test_demand_is_counted_over_the_time_a_start_takes_between_the_least_window_and_its_most() -> None:
+    pool_sizer = sizer(Clock())
+    pool_sizer.count_demand_over(0.5)  # faster than the least window: the least stands
+    assert pool_sizer.window_s == WINDOW_S
+    pool_sizer.count_demand_over(4.0)
+    assert pool_sizer.window_s == 4.0
+    pool_sizer.count_demand_over(60.0)  # a start slowed to its timeout
+    assert pool_sizer.window_s == MAX_DEMAND_WINDOW_S
+    pool_sizer.count_demand_over(1.0)  # starts fast again: back to the least
+    assert pool_sizer.window_s == WINDOW_S

@@ -33,14 +33,7 @@ from metaagent.executions import new_execution_id
 from metaagent.sandbox.engine import ContainerSpec, Engine
 from metaagent.sandbox.execute import Prepared, prepare, wait_ready
 from metaagent.sandbox.provision import SandboxImage
-from metaagent.sandbox.sizing import (
-    DECAY_STEP_S,
-    DEMAND_WINDOW_S,
-    MAX_DEMAND_WINDOW_S,
-    PoolLimits,
-    PoolSizer,
-    StartCost,
-)
+from metaagent.sandbox.sizing import DECAY_STEP_S, DEMAND_WINDOW_S, PoolLimits, PoolSizer, StartCost
 
 log = logging.getLogger("metaagent.pool")
 
@@ -96,7 +89,6 @@ class WarmPool:
         self.memory_mb = memory_mb  # the one configuration served warm; other requests take the cold path
         idle_max = limits.memory_budget_mb // memory_mb
         self._sizer = PoolSizer(limits.floor, limits.ceiling, idle_max, window_s=window_s, decay_s=decay_s, clock=clock)
-        self._window_s = window_s
         self._make_spec = make_spec
         # What this machine's starts cost, from the pool's own: GET /health and the metrics report the pace.
         self.start_cost = StartCost(PARALLEL_STARTS, os.cpu_count() or 1)
@@ -329,12 +321,11 @@ class WarmPool:
         return Warm(execution_id, spec, prepared)
 
     def record_start(self, wall_s: float, cpu_s: float | None) -> None:
-        """One more start's cost. Demand is counted over at least what a start takes now: what comes in
-        while a replacement starts is what must be in stock (a Python start under runsc takes seconds)."""
+        """One more start's cost, which also sets how long demand is counted over (`PoolSizer`)."""
         self.start_cost.record(wall_s, cpu_s)
         rate = self.start_cost.rate()
         if rate is not None:
-            self._sizer.window_s = max(self._window_s, min(rate.wall_s, MAX_DEMAND_WINDOW_S))
+            self._sizer.count_demand_over(rate.wall_s)
 
     async def _how_it_ended(self, container_id: str) -> str:
         """A failed start's exit, for the log: the stream ends a moment before the engine reports the exit."""

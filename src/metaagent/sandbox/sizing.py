@@ -141,6 +141,7 @@ class PoolSizer:
         self.floor = floor
         self.ceiling = ceiling
         self.idle_max = idle_max
+        self.least_window_s = window_s
         self.window_s = window_s
         self.decay_s = decay_s
         self._clock = clock
@@ -164,6 +165,11 @@ class PoolSizer:
             self._target = max(self.floor, demand, self._target - steps)
             self._level_since += steps * self.decay_s
         return self._target
+
+    def count_demand_over(self, start_s: float) -> None:
+        """Demand is counted over at least what a start takes now (at most MAX_DEMAND_WINDOW_S): what comes
+        in while a replacement starts is what must be in stock (a Python start under runsc takes seconds)."""
+        self.window_s = max(self.least_window_s, min(start_s, MAX_DEMAND_WINDOW_S))
 
     def next_step_in(self) -> float | None:
         """Seconds until the target may step down (for the pool's loop to look again); None at the floor."""
