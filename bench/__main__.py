@@ -37,7 +37,7 @@ from bench.report import render, targets
 from bench.service import BenchService
 from metaagent.languages.javascript.image import image_tag
 from metaagent.languages.python.image import python_image_tag
-from metaagent.sandbox.runtime import RUNSC, registration_problem
+from metaagent.sandbox.runtime import RUNC, RUNSC, Runtime, registration_problem
 from metaagent.settings import Settings
 
 SECTIONS = (
@@ -134,45 +134,36 @@ def _remove_bench_containers(client: docker.DockerClient) -> None:
         container.remove(force=True)
 
 
+def _throughput_level(
+    service: BenchService, image: str, cpus: float, concurrency: int, duration_s: float, runtime: Runtime
+) -> dict[str, Any]:
+    """One level: the pooled service's clients, then a `docker run --rm` loop under the same runtime."""
+    service.wait_pool_full()
+    before = set(service.container_paths())
+    served = throughput.service(service.base_url, concurrency, duration_s)
+    paths = [path for execution_id, path in service.container_paths().items() if execution_id not in before]
+    service.wait_pool_full()  # an idle service while the loop runs: its refills would slow the loop
+    loop = throughput.docker_run_loop(image, cpus, concurrency, duration_s, runtime)
+    progress(
+        f"throughput at {concurrency} under {runtime.name}: service {served.per_second:.2f}/s, "
+        f"docker run {loop.per_second:.2f}/s"
+    )
+    return {
+        "concurrency": concurrency,
+        "service": {**served.as_dict(), "warm": paths.count("warm"), "cold": paths.count("cold")},
+        "docker_run": loop.as_dict(),
+    }
+
+
 def _throughput(
     pooled: BenchService, pooled_runsc: BenchService | None, image: str, cpus: float, args: argparse.Namespace
 ) -> dict[str, Any]:
-    levels = []
-    for concurrency in args.concurrency:
-        pooled.wait_pool_full()
-        before = set(pooled.container_paths())
-        service = throughput.service(pooled.base_url, concurrency, args.duration)
-        paths = [path for execution_id, path in pooled.container_paths().items() if execution_id not in before]
-        pooled.wait_pool_full()  # an idle service while the loop runs: its refills would slow the loop
-        loop = throughput.docker_run_loop(image, cpus, concurrency, args.duration)
-        levels.append(
-            {
-                "concurrency": concurrency,
-                "service": {**service.as_dict(), "warm": paths.count("warm"), "cold": paths.count("cold")},
-                "docker_run": loop.as_dict(),
-            }
-        )
-        progress(f"throughput at {concurrency}: service {service.per_second:.2f}/s, docker run {loop.per_second:.2f}/s")
-    runsc_levels = []
-    for concurrency in args.runsc_concurrency if pooled_runsc is not None else []:
-        assert pooled_runsc is not None
-        pooled_runsc.wait_pool_full()
-        before = set(pooled_runsc.container_paths())
-        service = throughput.service(pooled_runsc.base_url, concurrency, args.duration)
-        paths = [path for execution_id, path in pooled_runsc.container_paths().items() if execution_id not in before]
-        pooled_runsc.wait_pool_full()  # idle while the loop runs, as above
-        loop = throughput.docker_run_loop(image, cpus, concurrency, args.duration, RUNSC)
-        runsc_levels.append(
-            {
-                "concurrency": concurrency,
-                "service": {**service.as_dict(), "warm": paths.count("warm"), "cold": paths.count("cold")},
-                "docker_run": loop.as_dict(),
-            }
-        )
-        progress(
-            f"throughput at {concurrency} under runsc: service {service.per_second:.2f}/s, "
-            f"docker run --runtime=runsc {loop.per_second:.2f}/s"
-        )
+    levels = [_throughput_level(pooled, image, cpus, c, args.duration, RUNC) for c in args.concurrency]
+    runsc_levels = (
+        [_throughput_level(pooled_runsc, image, cpus, c, args.duration, RUNSC) for c in args.runsc_concurrency]
+        if pooled_runsc is not None
+        else []
+    )
     return {"duration_s": args.duration, "levels": levels, "runsc_levels": runsc_levels}
 
 
