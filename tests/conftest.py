@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -20,6 +22,7 @@ import pytest
 
 from metaagent.app import create_app
 from metaagent.settings import Settings
+from tests.redis_server import RedisServer
 
 
 class _UpstreamHandler(BaseHTTPRequestHandler):
@@ -133,19 +136,32 @@ def service(tmp_path: Path) -> ServiceFactory:
     return start
 
 
-# In CI (`scripts/test` sets METAAGENT_REQUIRE_DOCKER=1) a Docker test that skips is a failure: the
+# In CI (`scripts/test` sets METAAGENT_REQUIRE_DOCKER=1) a Docker or Redis test that skips is a failure: the
 # guarantees they prove must be proven on every run, not silently passed over.
 _skipped_docker_tests: list[str] = []
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.skipped and "docker" in report.keywords and os.environ.get("METAAGENT_REQUIRE_DOCKER") == "1":
+    needs = {"docker", "redis"} & set(report.keywords)
+    if report.skipped and needs and os.environ.get("METAAGENT_REQUIRE_DOCKER") == "1":
         _skipped_docker_tests.append(report.nodeid)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _skipped_docker_tests:
-        print(f"\n{len(_skipped_docker_tests)} Docker test(s) were skipped, which CI does not allow:")
+        print(f"\n{len(_skipped_docker_tests)} Docker or Redis test(s) were skipped, which CI does not allow:")
         for nodeid in _skipped_docker_tests:
             print(f"  {nodeid}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A redis-server of this test's own (a short path: a unix socket's path is at most 107 bytes)."""
+    server = RedisServer(Path(tempfile.mkdtemp(prefix="ma-redis-")))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(server.directory, ignore_errors=True)

@@ -26,19 +26,22 @@ import ipaddress
 import json
 import logging
 import re
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import secrets
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from metaagent.asgi import send_json_error
 from metaagent.errors import AtCapacity, ConfigError
+from metaagent.fleet.state import SharedState
 from metaagent.settings import Settings
 from metaagent.tenancy import LOCAL, Caller
 
@@ -231,7 +234,7 @@ class RequireApiKey:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys:
+        if scope["type"] != "http" or not self.keys or CALLER_SCOPE_KEY in scope:  # or another replica's forward
             await self.app(scope, receive, send)
             return
         presented = _bearer(scope)
@@ -278,33 +281,26 @@ async def _unauthorized(scope: Scope, send: Send, *, missing: bool) -> None:
 
 
 class ExecutionQuota:
-    """At most `limit` executions running or queued per key; past that, 429 for that key only.
+    """At most `limit` executions running or queued per key (without keys, for the one local caller); past
+    that, 429 for that key only. Counted in the fleet's shared state, so the limit holds across replicas."""
 
-    Requests without a key id (a service without keys) are limited only by the service-wide queue.
-    """
-
-    def __init__(self, limit: int) -> None:
+    def __init__(self, state: SharedState, limit: int) -> None:
+        self.state = state
         self.limit = limit
-        self._active: dict[str, int] = {}
 
-    def active(self, caller: str) -> int:
-        return self._active.get(caller, 0)
-
-    @contextmanager
-    def hold(self, caller: str | None) -> Iterator[None]:
-        if caller is None:
-            yield
-            return
-        if self.active(caller) >= self.limit:
+    @asynccontextmanager
+    async def hold(self, caller: str | None) -> AsyncIterator[None]:
+        lease = secrets.token_hex(12)
+        admission = await self.state.acquire("executions", lease, caller, per_key=self.limit, total=None)
+        if not admission.admitted:
+            who = f"Key {caller}" if caller is not None else "This caller"
             raise AtCapacity(
-                f"Key {caller} already has {self.limit} executions running or queued (the limit per key, "
+                f"{who} already has {self.limit} executions running or queued (the limit per key, "
                 "METAAGENT_MAX_EXECUTIONS_PER_KEY); retry when one finishes",
                 retry_after_s=2,
             )
-        self._active[caller] = self.active(caller) + 1
         try:
             yield
         finally:
-            self._active[caller] -= 1
-            if not self._active[caller]:
-                del self._active[caller]
+            with anyio.CancelScope(shield=True):
+                await self.state.release("executions", lease)

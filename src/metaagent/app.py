@@ -22,6 +22,8 @@ from metaagent.body_limit import LimitRequestBody
 from metaagent.catalogue import TOOLS
 from metaagent.disconnects import LogHangUps
 from metaagent.egress.allowlist import AllowList
+from metaagent.fleet.replica import fleet_config
+from metaagent.fleet.routing import AcceptFleetRequests, RouteToOwner
 from metaagent.hosts import CheckHostAndOrigin, transport_security
 from metaagent.languages import served
 from metaagent.mcp_server import SessionLimits, build_server, mount_mcp
@@ -40,6 +42,7 @@ __all__ = ["TOOLS", "create_app"]
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     keys = KeyRing.from_settings(settings)  # read once; only their hashes are kept
+    fleet = fleet_config(settings)
     config = Configuration(
         settings=settings,
         allowlist=AllowList.parse(settings.allow_http_hosts),
@@ -48,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         runtime=RuntimeChoice.parse(settings.sandbox_runtime),
         pool_limits=lane_pool_limits(settings),
         key_count=len(keys),
+        fleet=fleet,
     )
     check_registry(settings.npm_registry)
 
@@ -68,8 +72,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.keys = keys
     app.state.configuration = config
     security = transport_security(settings.allowed_hosts)  # one setting: every route and /mcp alike
-    # Outermost last: the Host and Origin check runs first (421/403 before anything else; only the hang-up
-    # log is outside it), then the key check, so a caller without a key gets a 401 before any body is read.
+    # Outermost last: a request another replica forwarded is recognised first (by the fleet's secret; it
+    # carries its caller), then the Host and Origin check runs (421/403 before anything else), then the key
+    # check, so a caller without a key gets a 401 before any body is read; a request for what another
+    # replica holds goes there once its caller is known (metaagent.fleet.routing).
+    app.add_middleware(RouteToOwner, peers=lambda: getattr(getattr(app.state, "services", None), "peers", None))
     app.add_middleware(
         LimitRequestBody,
         max_bytes=settings.max_request_body_bytes,
@@ -77,6 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(RequireApiKey, keys=keys)
     app.add_middleware(CheckHostAndOrigin, security=security)
+    app.add_middleware(AcceptFleetRequests, token=fleet.token if fleet else None)
     app.add_middleware(LogHangUps)  # outermost: a hang-up anywhere inside is one info line
     app.include_router(tools_router(TOOLS))
     app.include_router(executions.router)

@@ -50,7 +50,7 @@ async def _execute_as_caller(
     svc: Services, request: CodeInterpreterRequest, sink: OutputSink | None
 ) -> CodeInterpreterResponse:
     caller = current_caller()  # the API key's id, set by the access check
-    with svc.execution_quota.hold(caller):
+    async with svc.execution_quota.hold(caller):
         return await svc.interpreter(request, caller=caller, sink=sink)
 
 

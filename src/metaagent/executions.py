@@ -11,6 +11,7 @@ import anyio
 from pydantic import BaseModel
 
 from metaagent.errors import NotFound
+from metaagent.fleet.state import LocalState, SharedState
 
 State = Literal["starting", "running", "stopping"]
 
@@ -65,20 +66,27 @@ class Execution:
 
 
 class ExecutionRegistry:
-    def __init__(self) -> None:
+    """This replica's running executions; each is also published in the fleet's shared state, which says
+    to the other replicas that this one holds it."""
+
+    def __init__(self, fleet: SharedState | None = None) -> None:
+        self.fleet = fleet or LocalState()
         self._running: dict[str, Execution] = {}
         self._empty = anyio.Event()
         self._empty.set()
 
-    def add(self, execution: Execution) -> None:
+    async def add(self, execution: Execution) -> None:
         if not self._running:
             self._empty = anyio.Event()
         self._running[execution.execution_id] = execution
+        await self.fleet.publish("execution", execution.execution_id, execution.caller, {})
 
-    def discard(self, execution: Execution) -> None:
+    async def discard(self, execution: Execution) -> None:
         self._running.pop(execution.execution_id, None)
         if not self._running:
             self._empty.set()
+        with anyio.CancelScope(shield=True):  # on the way out of a cancelled call too
+            await self.fleet.withdraw("execution", execution.execution_id)
 
     async def wait_empty(self) -> None:
         await self._empty.wait()

@@ -31,6 +31,9 @@ from metaagent.egress.allowlist import AllowList, empty_items_warning
 from metaagent.egress.guard import EgressGuard
 from metaagent.egress.pool import ConnectionLimits
 from metaagent.executions import ExecutionRegistry
+from metaagent.fleet.replica import FleetConfig, keep_beating, shared_state
+from metaagent.fleet.routing import Forwarder, Peers
+from metaagent.fleet.state import SharedState, SharedStateUnavailable
 from metaagent.languages import JAVASCRIPT, Language, served
 from metaagent.packages.policy import SETTING as NPM_SETTING
 from metaagent.packages.policy import PackagePolicy
@@ -66,6 +69,7 @@ class Configuration:
     runtime: RuntimeChoice
     pool_limits: dict[str, PoolLimits]  # each served language's warm pool (the memory budget split among them)
     key_count: int = 0  # API keys configured (0: none, one local caller)
+    fleet: FleetConfig | None = None  # with Redis: more than one machine (metaagent.fleet)
 
 
 @dataclass
@@ -84,6 +88,8 @@ class Services:
     packages: PackageStore
     sessions: Sessions
     background_tasks: BackgroundTasks
+    fleet: SharedState  # in memory on one machine; in Redis for a fleet
+    peers: Peers | None = None  # the other replicas (a fleet only)
 
     def begin_stop(self) -> None:
         """Refuses new work, empties the warm pool, asks every running execution to be killed and ends
@@ -153,7 +159,13 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
     engine = Engine()
     await settle_runtime(config, engine)
     images = [sandbox_image(engine, settings, language) for language in served(settings.languages).values()]
-    executions = ExecutionRegistry()
+    fleet = shared_state(config.fleet)
+    try:
+        await fleet.start()
+    except SharedStateUnavailable as exc:  # it serves what it can; its heartbeat keeps trying
+        log.warning("fleet: %s", exc.message)
+    forwarder = Forwarder(config.fleet.token) if config.fleet else None
+    executions = ExecutionRegistry(fleet)
     for entry in config.package_policy.blocked_entries:
         log.warning("METAAGENT_NPM_ALLOWED_PACKAGES lists %s, which is on the block list: it stays refused", entry)
     packages = package_store(settings, config.package_policy, engine, audit)
@@ -212,10 +224,12 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         interpreter,
         search,
         embeddings,
-        ExecutionQuota(settings.max_executions_per_key),
+        ExecutionQuota(fleet, settings.max_executions_per_key),
         packages,
         sessions,
         BackgroundTasks(),
+        fleet,
+        Peers(fleet, forwarder) if forwarder else None,
     )
     prepared = anyio.Event()
 
@@ -240,6 +254,7 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
             tasks.start(background, task, keep_pool(lane))
         tasks.start(background, "sessions", sessions.run)
         tasks.start(background, "session_reaper", sessions.reap)
+        tasks.start(background, "fleet_heartbeat", partial(keep_beating, fleet))
         try:
             yield services
         finally:
@@ -255,6 +270,9 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
             await search.aclose()
             await embeddings.aclose()
             await guard.aclose()
+            if forwarder is not None:
+                await forwarder.aclose()
+            await fleet.close()
             engine.close()
             # Last: cancelling this task group's scope also cancels every await above in this task.
             background.cancel_scope.cancel()

@@ -144,6 +144,13 @@ class Settings(BaseSettings):
     keep_alive_timeout_s: float = Field(default=5.0, gt=0, le=300)
     max_connections: int | None = Field(default=None, ge=1)
 
+    # More than one machine (metaagent.fleet): the Redis server the replicas share (unset: one machine, its
+    # state in memory), the URL at which the other replicas reach this one, and the secret they present to
+    # each other. With Redis, the other two are required.
+    redis_url: SecretStr | None = None  # a URL may carry Redis's password
+    node_url: str | None = None
+    fleet_token: SecretStr | None = None
+
     # Operations.
     # A service's state, never the directory it was started from (a checkout would collect it).
     audit_log: Path = Field(default_factory=lambda: default_state_dir() / "audit.jsonl")

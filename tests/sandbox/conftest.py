@@ -58,9 +58,10 @@ def docker_client() -> Iterator[docker.DockerClient]:
 
 
 @contextmanager
-def running_service(workdir: Path, **env: str) -> Iterator[Service]:
-    """`metaagent serve` on a free port, once the sandbox image is ready (built by `scripts/test` before)."""
-    port = free_port()
+def running_service(workdir: Path, port: int | None = None, **env: str) -> Iterator[Service]:
+    """`metaagent serve` on `port` (a free one if None), once the sandbox image is ready (built by
+    `scripts/test` before)."""
+    port = port or free_port()
     stderr_path = workdir / "service.log"
     defaults = {
         "METAAGENT_SANDBOX_BUILD_ON_START": "true",

@@ -56,7 +56,12 @@ async def fire(base: str) -> list[tuple[int, int, dict[str, str], dict[str, obje
 def test_hundreds_of_concurrent_executions_are_each_served_or_refused_and_nothing_is_left(
     docker_client: docker.DockerClient, tmp_path: Path
 ) -> None:
-    env = {"METAAGENT_MAX_CONCURRENT_EXECUTIONS": "4", "METAAGENT_EXECUTION_QUEUE_SIZE": "16"}
+    # The queue is what this test fills, not the one caller's share (METAAGENT_MAX_EXECUTIONS_PER_KEY, 16).
+    env = {
+        "METAAGENT_MAX_CONCURRENT_EXECUTIONS": "4",
+        "METAAGENT_EXECUTION_QUEUE_SIZE": "16",
+        "METAAGENT_MAX_EXECUTIONS_PER_KEY": "64",
+    }
     with serving(tmp_path, **env) as (base, process):
         warm = httpx2.post(f"{base}/tools/code-interpreter", json={"code": "console.log(1)"}, timeout=60)
         assert warm.status_code == 200, warm.text

@@ -14,6 +14,7 @@ from metaagent.api.body import StrictJsonRoute
 from metaagent.api.deps import services
 from metaagent.api.errors import error_responses
 from metaagent.executions import Execution, ExecutionInfo, ExecutionList, ExecutionRegistry, KillResult
+from metaagent.fleet.routing import forwarded
 from metaagent.tenancy import check_access, visible_to
 
 router = APIRouter(prefix="/executions", tags=["executions"], route_class=StrictJsonRoute)
@@ -32,8 +33,13 @@ def _own_execution(request: Request, execution_id: str) -> tuple[ExecutionRegist
 
 @router.get("", summary="Every execution of the caller still running")
 async def list_executions(request: Request) -> ExecutionList:
-    mine = visible_to(caller_of(request), services(request).executions.all(), _owner)
-    return ExecutionList(executions=[e.info() for e in mine])
+    """In a fleet, every live replica's (this one asks the others for theirs)."""
+    caller, svc = caller_of(request), services(request)
+    mine = [e.info() for e in visible_to(caller, svc.executions.all(), _owner)]
+    if svc.peers is not None and not forwarded(request):
+        found = await svc.peers.gather("/executions", caller, "executions", request.headers.get("host"))
+        mine += [ExecutionInfo.model_validate(item) for item in found]
+    return ExecutionList(executions=mine)
 
 
 @router.get("/{execution_id}", summary="One running execution", responses=error_responses(404))

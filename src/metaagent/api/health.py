@@ -25,6 +25,7 @@ from metaagent.access import caller_of
 from metaagent.api.body import StrictJsonRoute
 from metaagent.api.deps import services
 from metaagent.errors import Forbidden
+from metaagent.fleet.state import LocalState, SharedState, SharedStateUnavailable
 from metaagent.languages import JAVASCRIPT
 from metaagent.sandbox.engine import Engine, EngineUnavailable
 from metaagent.services import Services
@@ -85,7 +86,25 @@ async def _checks(svc: Services, caller: Caller) -> dict[str, Any]:
         # The service's own background tasks (warm pool, sessions, their reaper): not ok while one is not
         # running (it failed and waits to be restarted), which it names.
         "background_tasks": svc.background_tasks.check(),
+        "fleet": await _fleet_check(svc.fleet, whole_service),
     }
+
+
+async def _fleet_check(fleet: SharedState, whole_service: bool) -> dict[str, Any]:
+    """One machine (state in memory), or this replica's node in a fleet and whether Redis answers; the
+    live replicas' count for an operator (or a service without keys)."""
+    if isinstance(fleet, LocalState):
+        return {"ok": True, "shared_state": "memory"}
+    check: dict[str, Any] = {"ok": True, "shared_state": "redis", "node_id": fleet.node_id}
+    try:
+        with anyio.fail_after(3):
+            nodes = await fleet.nodes()
+    except (SharedStateUnavailable, TimeoutError) as exc:
+        message = exc.message if isinstance(exc, SharedStateUnavailable) else "Redis did not answer in 3 s"
+        return {**check, "ok": False, "error": message}
+    if whole_service:
+        check["replicas"] = len(nodes)
+    return check
 
 
 def _image_check(lane: Lane) -> dict[str, Any]:

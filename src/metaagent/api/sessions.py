@@ -18,6 +18,7 @@ from metaagent.api.body import StrictJsonRoute
 from metaagent.api.deps import services, until_disconnect
 from metaagent.api.errors import error_responses
 from metaagent.api.events import OPENAPI_RESPONSE, event_stream, wants_event_stream
+from metaagent.fleet.routing import forwarded
 from metaagent.sessions.models import (
     FileDeleted,
     FileList,
@@ -62,7 +63,13 @@ async def create_session(request: Request, body: SessionCreateRequest | None = B
 
 @router.get("", summary="The caller's open sessions")
 async def list_sessions(request: Request) -> SessionList:
-    return SessionList(sessions=services(request).sessions.list(current_tenant()))
+    """In a fleet, every live replica's (this one asks the others for theirs)."""
+    svc, caller = services(request), current_tenant()
+    sessions = svc.sessions.list(caller)
+    if svc.peers is not None and not forwarded(request):
+        found = await svc.peers.gather("/sessions", caller, "sessions", request.headers.get("host"))
+        sessions += [SessionRecord.model_validate(item) for item in found]
+    return SessionList(sessions=sessions)
 
 
 @router.get("/{session_id}", summary="One session", responses=error_responses(404, 410))

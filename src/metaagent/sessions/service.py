@@ -160,6 +160,7 @@ class Sessions:
         *,
         workspace_mb: int,
     ) -> None:
+        self.fleet = registry.fleet  # the shared state: each session's lease and record, ended ones' reasons
         self.interpreter = interpreter
         self.engine = interpreter.engine
         self.registry = registry
@@ -294,11 +295,12 @@ class Sessions:
             request.language, memory_mb=request.memory_mb, packages=request.packages, network=request.network
         )
         caller = tenant.key_id
-        self._admit(tenant)
         dependencies = interpreter.check_packages(request.packages)
         allowlist = interpreter.network_allowlist(request.network)
+        session_id = new_session_id()
+        await self._admit(session_id, tenant)
         session = Session(
-            new_session_id(),
+            session_id,
             caller,
             request,
             datetime.now(UTC),
@@ -311,8 +313,10 @@ class Sessions:
         except BaseException:
             self._open.pop(session.session_id, None)
             with anyio.CancelScope(shield=True):
+                await self.fleet.release("sessions", session.session_id)
                 await session.resources.aclose()
             raise
+        await self.fleet.publish("session", session.session_id, caller, {})
         self.audit.append(
             "session.created",
             session_id=session.session_id,
@@ -334,18 +338,26 @@ class Sessions:
         )
         return session.record()
 
-    def _admit(self, tenant: Caller) -> None:
-        """Room for one more session of `tenant`: under the total, and under its key's share unless it is an
-        operator's key. A refusal gives the caller its own numbers only, never how many others hold."""
-        mine = sum(1 for s in self._open.values() if s.owner == tenant.key_id)
+    async def _admit(self, session_id: str, tenant: Caller) -> None:
+        """Takes a place for one more session of `tenant` (its lease, in the fleet's shared state): under the
+        total, and under its key's share unless it is an operator's key. A refusal gives the caller its own
+        numbers only, never how many others hold."""
+        admission = await self.fleet.acquire(
+            "sessions",
+            session_id,
+            tenant.key_id,
+            per_key=None if tenant.operator else self.limits.per_key,
+            total=self.limits.max_sessions,
+        )
+        mine = admission.mine
         who = f"Key {tenant.key_id}" if tenant.key_id is not None else "This caller"
-        if not tenant.operator and mine >= self.limits.per_key:
+        if admission.refused == "per_key":
             raise AtCapacity(
                 f"{who} already has {mine} sessions open, its share (METAAGENT_SESSIONS_PER_KEY: "
                 f"{self.limits.per_key}); close one first ({hints.hint(hints.CLOSE_SESSION)})",
                 retry_after_s=5,
             )
-        if len(self._open) >= self.limits.max_sessions:
+        if admission.refused == "total":
             raise AtCapacity(
                 f"At capacity: the service has as many sessions open as it may (METAAGENT_SESSION_MAX), {mine} "
                 f"of them yours; close one ({hints.hint(hints.CLOSE_SESSION)}) or retry later",
@@ -433,6 +445,9 @@ class Sessions:
         self._open.pop(session.session_id, None)
         self._ended[session.session_id] = Ended(session.owner, reason, time.monotonic())
         try:
+            await self.fleet.release("sessions", session.session_id)
+            await self.fleet.withdraw("session", session.session_id)
+            await self.fleet.bury(session.session_id, session.owner, reason, keep_s=TOMBSTONE_S)
             await session.resources.aclose()
         finally:
             session.retired.set()
@@ -513,11 +528,11 @@ class Sessions:
                     new_execution_id(), request.timeout_s, session.config.memory_mb, caller=caller,
                     container_id=container.container_id, session_id=session_id,
                 )  # fmt: skip
-                self.registry.add(execution)
+                await self.registry.add(execution)
                 try:
                     outcome = await container.call(request.code, request.timeout_s, execution, sink)
                 finally:
-                    self.registry.discard(execution)
+                    await self.registry.discard(execution)
                 session.executions += 1
             if outcome.status == "ended":  # its answer arrives once the session is gone
                 with anyio.move_on_after(30):

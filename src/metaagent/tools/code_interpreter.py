@@ -277,7 +277,7 @@ class CodeInterpreter:
                     cpu_control=self.engine.cpu_control.available,
                 )
             )
-            self.registry.add(execution)
+            await self.registry.add(execution)
             try:
                 end_token = secrets.token_hex(16) if lane.language.tells_its_end else None
                 async with network or nullcontext():
@@ -297,7 +297,7 @@ class CodeInterpreter:
                 error = exc.message
                 raise
             finally:
-                self.registry.discard(execution)
+                await self.registry.discard(execution)
                 if warm is not None:
                     lane.pool.finished()
                 self._audit(request, lane, execution, spec, warm is not None, outcome, error, packages, network)

@@ -1,0 +1,285 @@
+"""Any replica answers for any execution, session or MCP session: it serves what it holds, and forwards
+the rest, byte for byte, to the replica that holds it.
+
+Two ASGI middlewares, and the client that forwards:
+
+- `AcceptFleetRequests` (outside the key check) takes a request another replica forwarded: it carries the
+  fleet's secret (`METAAGENT_FLEET_TOKEN`, compared in constant time; a wrong one is a 401) and the
+  original caller's identity, which this replica then checks ownership against exactly as if the caller
+  had come here. A forwarded request is served here and never forwarded again.
+- `RouteToOwner` (inside the key check, so the caller is known) looks up which replica holds the id that a
+  request names (`/sessions/{id}...`, `/executions/{id}`, an `Mcp-Session-Id`) and forwards it there:
+  method, path, query, headers (the caller's own Host and Origin, which passed the same checks here, but
+  not its API key) and body, streamed in both directions in the chunks they arrive in, so an SSE stream
+  or a file body of any size passes through without being held. A session whose replica is lost answers
+  410 `node_lost`; one that ended on another replica answers its 410 from the shared tombstone.
+- `Peers` asks the other live replicas for their part of a listing (`GET /sessions`, `GET /executions`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import anyio
+import httpx2
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from metaagent.access import CALLER_SCOPE_KEY, acting_as, caller_of
+from metaagent.asgi import send_json_error
+from metaagent.fleet.state import Kind, SharedState, SharedStateUnavailable
+from metaagent.tenancy import Caller, may_access
+
+log = logging.getLogger("metaagent")
+
+TOKEN_HEADER = b"x-metaagent-fleet-token"
+CALLER_HEADER = b"x-metaagent-fleet-caller"
+FORWARDED_SCOPE_KEY = "metaagent.fleet.forwarded"
+MCP_SESSION_HEADER = b"mcp-session-id"
+
+# Hop-by-hop headers (RFC 9110 7.6.1) are the connection's, not the message's. A body keeps its
+# Content-Length, or is sent on chunked as it came.
+_HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
+     b"transfer-encoding", b"upgrade"}
+)  # fmt: skip
+_NOT_FORWARDED = _HOP_BY_HOP | {b"authorization", TOKEN_HEADER, CALLER_HEADER}
+
+
+class _CallerHungUp(Exception):
+    """The caller went away in the middle of its request's body: the forward is abandoned, never sent short."""
+
+
+_SESSION_PATH = re.compile(r"^/sessions/(ses_[0-9a-f]{24})(?:/.*)?$", re.DOTALL)
+_EXECUTION_PATH = re.compile(r"^/executions/(exe_[0-9a-f]{24})$")
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+class AcceptFleetRequests:
+    """ASGI middleware: a request that carries the fleet's secret is another replica's forward."""
+
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app = app
+        self.token = token.encode() if token else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        presented = _header(scope, TOKEN_HEADER) if scope["type"] == "http" else None
+        if presented is None:
+            await self.app(scope, receive, send)
+            return
+        if self.token is None or not hmac.compare_digest(presented, self.token):
+            log.warning("refused %s %s: a wrong fleet token", scope["method"], scope["path"])
+            await send_json_error(send, 401, "Invalid fleet token: replicas must share METAAGENT_FLEET_TOKEN")
+            return
+        try:
+            claimed = json.loads(_header(scope, CALLER_HEADER) or b"{}")
+            caller = Caller(claimed.get("key_id"), bool(claimed.get("operator")))
+        except (ValueError, AttributeError):
+            await send_json_error(send, 400, "A forwarded request's caller header is not the fleet's JSON")
+            return
+        scope = {**scope, FORWARDED_SCOPE_KEY: True, CALLER_SCOPE_KEY: caller}
+        scope["user"] = AuthenticatedUser(AccessToken(token="", client_id=str(caller.key_id), scopes=[]))
+        with acting_as(caller):
+            await self.app(scope, receive, send)
+
+
+class Forwarder:
+    """Sends a request to another replica as the fleet, and streams its answer back."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+        # No read deadline: an SSE stream or a long call answers when it answers; connecting is bounded.
+        self.http = httpx2.AsyncClient(timeout=httpx2.Timeout(None, connect=5.0), follow_redirects=False)
+
+    def headers(self, caller: Caller, original: Iterable[tuple[bytes, bytes]] = ()) -> list[tuple[bytes, bytes]]:
+        identity = json.dumps({"key_id": caller.key_id, "operator": caller.operator}).encode()
+        kept = [(k, v) for k, v in original if k.lower() not in _NOT_FORWARDED]
+        return [*kept, (TOKEN_HEADER, self._token.encode()), (CALLER_HEADER, identity)]
+
+    async def forward(self, node_url: str, scope: Scope, receive: Receive, send: Send) -> None:
+        caller = caller_of_scope(scope)
+        query = scope.get("query_string", b"")
+        url = node_url + scope["raw_path"].decode("latin-1") if scope.get("raw_path") else node_url + scope["path"]
+        if query:
+            url += "?" + query.decode("latin-1")
+        has_body = _header(scope, b"content-length") not in (None, b"0") or _header(scope, b"transfer-encoding")
+        request = self.http.build_request(
+            scope["method"], url, headers=self.headers(caller, scope["headers"]),
+            content=_body(receive) if has_body else None,
+        )  # fmt: skip
+        try:
+            response = await self.http.send(request, stream=True)
+        except _CallerHungUp:
+            return
+        except httpx2.TransportError as exc:
+            log.warning("fleet: the replica at %s could not be reached: %s", node_url, type(exc).__name__)
+            await send_json_error(
+                send, 503, "The replica that holds this cannot be reached right now; retry in a few seconds"
+            )
+            return
+        try:
+            headers = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP]
+            await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+async def _body(receive: Receive) -> AsyncIterator[bytes]:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _CallerHungUp
+        body = message.get("body", b"")
+        if body:
+            yield body
+        if not message.get("more_body", False):
+            return
+
+
+def forwarded(request: Any) -> bool:
+    """Whether a Starlette request is another replica's forward (answered with this replica's part only)."""
+    return bool(request.scope.get(FORWARDED_SCOPE_KEY))
+
+
+def caller_of_scope(scope: Scope) -> Caller:
+    return caller_of(_ScopeHolder(scope))
+
+
+class _ScopeHolder:
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+
+
+class RouteToOwner:
+    """ASGI middleware: forwards a request for an id another replica holds to that replica. `peers()` is
+    the running service's (None on one machine, where every request is served here)."""
+
+    def __init__(self, app: ASGIApp, peers: Callable[[], Peers | None]) -> None:
+        self.app = app
+        self.peers = peers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        peers = self.peers() if scope["type"] == "http" and not scope.get(FORWARDED_SCOPE_KEY) else None
+        if peers is None:
+            await self.app(scope, receive, send)
+            return
+        state = peers.state
+        named = _named(scope)
+        if named is None:
+            if scope["path"].rstrip("/") == "/mcp":  # a new MCP session: say where it lives once it exists
+                send = _publishing_mcp_session(state, caller_of_scope(scope), send)
+            await self.app(scope, receive, send)
+            return
+        kind, record_id = named
+        if state.holds(kind, record_id):
+            await self.app(scope, receive, send)
+            if kind == "mcp" and scope["method"] == "DELETE":
+                await state.withdraw("mcp", record_id)
+            return
+        caller = caller_of_scope(scope)
+        try:
+            placed = await state.place(kind, record_id)
+            tombstone = await state.tombstone(record_id) if placed is None and kind == "session" else None
+        except SharedStateUnavailable as exc:
+            await send_json_error(send, 503, exc.message)
+            return
+        if placed is not None and placed.node_url is not None and placed.node_id != state.node_id:
+            await peers.forwarder.forward(placed.node_url, scope, receive, send)
+            return
+        if kind == "session" and placed is not None and placed.lost and may_access(caller, placed.owner):
+            await _send_gone(send, record_id, "node_lost")
+            return
+        if tombstone is not None and may_access(caller, tombstone.owner):
+            await _send_gone(send, record_id, tombstone.reason)
+            return
+        await self.app(scope, receive, send)  # not the fleet's to answer: this replica's 404 (or its own 410)
+
+
+def _publishing_mcp_session(state: SharedState, caller: Caller, send: Send) -> Send:
+    """`send`, which also publishes the MCP session that the answer names (an `initialize`'s)."""
+
+    async def publishing(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            for key, value in message.get("headers", []):
+                if key.lower() == MCP_SESSION_HEADER:
+                    await state.publish("mcp", bytes(value).decode("latin-1"), caller.key_id, {})
+        await send(message)
+
+    return publishing
+
+
+def _named(scope: Scope) -> tuple[Kind, str] | None:
+    path = scope["path"]
+    if match := _SESSION_PATH.match(path):
+        return "session", match.group(1)
+    if match := _EXECUTION_PATH.match(path):
+        return "execution", match.group(1)
+    if path.rstrip("/") == "/mcp" and (mcp_session := _header(scope, MCP_SESSION_HEADER)):
+        return "mcp", mcp_session.decode("latin-1")
+    return None
+
+
+async def _send_gone(send: Send, session_id: str, reason: str) -> None:
+    body = json.dumps({"error": f"Session {session_id} has ended: {reason}", "reason": reason}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 410,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class Peers:
+    """The other live replicas, asked for their part of a listing."""
+
+    def __init__(self, state: SharedState, forwarder: Forwarder) -> None:
+        self.state = state
+        self.forwarder = forwarder
+
+    async def gather(self, path: str, caller: Caller, field: str, host: str | None) -> list[Any]:
+        """`field`'s items from `GET path` on every other live replica (one that does not answer in 5 s is
+        left out, and logged), asked with the caller's own Host (which passed the same check here)."""
+        try:
+            nodes = await self.state.nodes()
+        except SharedStateUnavailable:
+            return []
+        found: list[Any] = []
+
+        async def ask(node_id: str, url: str) -> None:
+            try:
+                with anyio.fail_after(5):
+                    original = [(b"host", host.encode("latin-1"))] if host else []
+                    response = await self.forwarder.http.get(
+                        url + path, headers=self.forwarder.headers(caller, original)
+                    )
+                response.raise_for_status()
+                found.extend(response.json()[field])
+            except (httpx2.HTTPError, TimeoutError, ValueError, KeyError) as exc:
+                log.warning("fleet: node %s did not give its part of %s: %s", node_id, path, type(exc).__name__)
+
+        async with anyio.create_task_group() as group:
+            for node_id, url in nodes.items():
+                if node_id != self.state.node_id:
+                    group.start_soon(ask, node_id, url)
+        return found
