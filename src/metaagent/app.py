@@ -91,7 +91,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(sessions.router)
     app.include_router(health.router)
     app.state.mcp_server = build_server(TOOLS, lambda: app.state.services)
-    mcp_sessions = mount_mcp(app, app.state.mcp_server, security, session_limits(settings, keys))
+
+    async def forget_mcp_session(session_id: str) -> None:
+        await app.state.services.fleet.withdraw("mcp", session_id)
+
+    mcp_sessions = mount_mcp(app, app.state.mcp_server, security, session_limits(settings, keys), forget_mcp_session)
     app.state.mcp_endpoint = mcp_sessions
     return app
 

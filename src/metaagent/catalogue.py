@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
+from pydantic import BaseModel
+
 from metaagent import metrics
 from metaagent.access import current_caller, current_tenant
 from metaagent.sandbox.output import OutputSink
@@ -30,6 +34,22 @@ from metaagent.tools.search import SEARCH
 
 async def _invoke_http(svc: Services, request: HttpRequest) -> HttpResponse:
     return await svc.http(request)
+
+
+def _in_its_session(tool: str, call: Callable[..., Awaitable[BaseModel]]) -> Callable[..., Awaitable[BaseModel]]:
+    """`call`, run on the replica that holds the session the request names (`session_id`): here, or in a
+    fleet on another replica, through `POST /tools/<tool>` there, as this request's caller (its output
+    streamed back when a sink is given)."""
+
+    async def routed(svc: Services, request: BaseModel, sink: OutputSink | None = None) -> BaseModel:
+        session_id = getattr(request, "session_id", None)
+        if session_id is not None and svc.peers is not None:
+            node_url = await svc.peers.session_node(session_id, current_tenant())
+            if node_url is not None:
+                return await svc.peers.call_tool(node_url, tool, request, current_tenant(), sink)
+        return await (call(svc, request, sink) if sink is not None else call(svc, request))
+
+    return routed
 
 
 async def _run_code(
@@ -95,9 +115,9 @@ TOOLS: tuple[ToolSpec, ...] = (
         CodeInterpreterRequest,
         CodeInterpreterAnswer,  # a one-shot run's answer, or with session_id a session call's
         "Run JavaScript or Python in a fresh, isolated container",
-        _run_code,
+        _in_its_session("code_interpreter", _run_code),
         error_statuses=(400, 422, 429, 502, 503, 504),
-        stream=_run_code,
+        stream=_in_its_session("code_interpreter", _run_code),
         # in a session the code may delete or overwrite workspace files; with `network` it reaches hosts
         effects=Effects(read_only=False, destructive=True, open_world=True),
     ),
@@ -119,7 +139,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         SessionCloseRequest,
         SessionClosed,
         "Close a session: its container and files are gone",
-        _invoke_session_close,
+        _in_its_session("session_close", _invoke_session_close),
         error_statuses=(404, 410),
         effects=Effects(read_only=False, destructive=True, idempotent=True),  # its files are gone
     ),
@@ -129,7 +149,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         SessionFilesRequest,
         FileList,
         "List the files of a session's workspace",
-        _invoke_session_files,
+        _in_its_session("session_files", _invoke_session_files),
         error_statuses=_FILE_TOOL_STATUSES,
         effects=Effects(read_only=True, idempotent=True),
     ),
@@ -139,7 +159,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         SessionReadFileRequest,
         FileContent,
         "Read a file of a session's workspace",
-        _invoke_session_read_file,
+        _in_its_session("session_read_file", _invoke_session_read_file),
         error_statuses=_FILE_TOOL_STATUSES,
         effects=Effects(read_only=True, idempotent=True),
     ),
@@ -149,7 +169,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         SessionWriteFileRequest,
         FileWritten,
         "Write a file into a session's workspace",
-        _invoke_session_write_file,
+        _in_its_session("session_write_file", _invoke_session_write_file),
         error_statuses=_FILE_TOOL_STATUSES,
         effects=Effects(read_only=False, destructive=True, idempotent=True),  # replaces a file of that path
     ),

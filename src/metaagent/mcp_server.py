@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -197,7 +197,13 @@ class BoundedSessionManager(StreamableHTTPSessionManager):
     idle past the timeout, failed opening request, crash, shutdown).
     """
 
-    def __init__(self, app: Server[Any], security: TransportSecuritySettings, limits: SessionLimits) -> None:
+    def __init__(
+        self,
+        app: Server[Any],
+        security: TransportSecuritySettings,
+        limits: SessionLimits,
+        forget: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
         super().__init__(
             app=app,
             security_settings=security,
@@ -205,6 +211,7 @@ class BoundedSessionManager(StreamableHTTPSessionManager):
             max_sessions=limits.total,
         )
         self.limits = limits
+        self.forget = forget  # in a fleet: says that a discarded session no longer lives here
         self._owner_of: dict[str, str | None] = {}
         self._open: dict[str | None, int] = {}
 
@@ -227,6 +234,8 @@ class BoundedSessionManager(StreamableHTTPSessionManager):
             self._open[key_id] -= 1
             if not self._open[key_id]:
                 del self._open[key_id]
+        if self.forget is not None:
+            await self.forget(session_id)
         await super()._discard_session(session_id, transport)
 
 
@@ -236,15 +245,22 @@ class StreamableHttpEndpoint:
     A session manager runs only once, so each lifespan gets a new one: the same app can start again.
     """
 
-    def __init__(self, server: Server[Any], security: TransportSecuritySettings, limits: SessionLimits) -> None:
+    def __init__(
+        self,
+        server: Server[Any],
+        security: TransportSecuritySettings,
+        limits: SessionLimits,
+        forget: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
         self._server = server
         self._security = security
         self.limits = limits
+        self.forget = forget
         self.manager: BoundedSessionManager | None = None
 
     @asynccontextmanager
     async def run(self) -> AsyncIterator[None]:
-        manager = BoundedSessionManager(self._server, self._security, self.limits)
+        manager = BoundedSessionManager(self._server, self._security, self.limits, self.forget)
         async with manager.run():
             self.manager = manager
             try:
@@ -316,10 +332,15 @@ async def _buffered(receive: Receive) -> tuple[bytes | None, Receive]:
 
 
 def mount_mcp(
-    app: FastAPI, server: Server[Any], security: TransportSecuritySettings, limits: SessionLimits
+    app: FastAPI,
+    server: Server[Any],
+    security: TransportSecuritySettings,
+    limits: SessionLimits,
+    forget: Callable[[str], Awaitable[None]] | None = None,
 ) -> StreamableHttpEndpoint:
-    """Serves `server` at `/mcp` on `app`; the app's lifespan must enter the endpoint's `run()`."""
-    endpoint = StreamableHttpEndpoint(server, security, limits)
+    """Serves `server` at `/mcp` on `app`; the app's lifespan must enter the endpoint's `run()`. `forget` is
+    told each MCP session the SDK discards (closed, idle, failed)."""
+    endpoint = StreamableHttpEndpoint(server, security, limits, forget)
     app.router.routes.append(Route(PATH, endpoint, include_in_schema=False))
     return endpoint
 

@@ -7,6 +7,7 @@ HTTP: the forwarded calls, streams and file bodies, the listings, and the leases
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import secrets
@@ -17,9 +18,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import anyio
 import docker
 import httpx2
 import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
 from metaagent.sandbox.engine import OWNER_PID_LABEL
 from tests.redis_server import RedisServer
@@ -234,3 +238,75 @@ def test_a_replica_killed_leaves_410_node_lost_and_gives_its_places_back(
             all=True, filters={"label": f"{OWNER_PID_LABEL}={a.process.pid}"}
         ):
             container.remove(force=True)  # what the killed replica left (its next start would sweep it)
+
+
+class Alternating(httpx2.AsyncBaseTransport):
+    """Sends each request to the next of `ports` in turn, as a load balancer without affinity would."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.inner = httpx2.AsyncHTTPTransport()
+        self.ports = itertools.cycle(ports)
+        self.sent: list[tuple[int, str]] = []
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        port = next(self.ports)
+        request.url = request.url.copy_with(port=port)
+        self.sent.append((port, request.method))
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_an_mcp_client_whose_requests_alternate_between_replicas_reaches_a_session_on_either(
+    fleet: tuple[Service, Service],
+) -> None:
+    a, b = fleet
+    created = call(b, "POST", "/sessions", json={})  # the session lives on b
+    assert created.status_code == 201, created.text
+    session_id = created.json()["session_id"]
+    ports = [int(service.base_url.rsplit(":", 1)[1]) for service in (a, b)]
+    balancer = Alternating(ports)
+    notifications: list[str | None] = []
+
+    async def on_progress(_progress: float, _total: float | None, message: str | None) -> None:
+        notifications.append(message)
+
+    try:
+        with anyio.fail_after(120):
+            async with (
+                httpx2.AsyncClient(transport=balancer, headers=bearer(ALICE), timeout=60) as http,
+                Client(streamable_http_client(f"{a.base_url}/mcp", http_client=http)) as client,
+            ):
+                first = await client.call_tool(
+                    "code_interpreter",
+                    {"code": "globalThis.y = 5; console.log('seen'); y * 2", "session_id": session_id},
+                )
+                streamed = await client.call_tool(
+                    "code_interpreter", {"code": "console.log('again'); y", "session_id": session_id},
+                    progress_callback=on_progress,
+                )  # fmt: skip
+                written = await client.call_tool(
+                    "session_write_file", {"session_id": session_id, "path": "note.txt", "content": "from mcp"}
+                )
+                read = await client.call_tool("session_read_file", {"session_id": session_id, "path": "note.txt"})
+                listed = {tool.name for tool in (await client.list_tools()).tools}
+                closed = await client.call_tool("session_close", {"session_id": session_id})
+                after = await client.call_tool("code_interpreter", {"code": "1", "session_id": session_id})
+    finally:
+        await balancer.aclose()
+    assert {port for port, _ in balancer.sent} == set(ports)  # both replicas were asked, in turn
+    assert first.is_error is False, first.content
+    assert first.structured_content is not None
+    assert (first.structured_content["result"], first.structured_content["stdout"]) == ("10", "seen\n")
+    assert streamed.structured_content is not None
+    assert streamed.structured_content["result"] == "5"
+    assert "".join(m or "" for m in notifications) == "again\n"  # its output came back as it ran
+    assert written.is_error is False, written.content
+    assert read.structured_content is not None
+    assert read.structured_content["content"] == "from mcp"
+    assert "session_create" in listed
+    assert closed.is_error is False, closed.content
+    assert after.is_error is True
+    assert "closed" in after.content[0].text  # type: ignore[union-attr]
+    assert call(a, "GET", f"/sessions/{session_id}").json()["reason"] == "closed"

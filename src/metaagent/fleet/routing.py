@@ -29,11 +29,14 @@ import anyio
 import httpx2
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
+from pydantic import BaseModel, ConfigDict
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metaagent.access import CALLER_SCOPE_KEY, acting_as, caller_of
 from metaagent.asgi import send_json_error
+from metaagent.errors import AtCapacity, Gone, MetaAgentError, ServiceError, Unavailable, UpstreamError
 from metaagent.fleet.state import Kind, SharedState, SharedStateUnavailable
+from metaagent.sandbox.output import OutputSink, Stream
 from metaagent.tenancy import Caller, may_access
 
 log = logging.getLogger("metaagent")
@@ -192,8 +195,6 @@ class RouteToOwner:
         kind, record_id = named
         if state.holds(kind, record_id):
             await self.app(scope, receive, send)
-            if kind == "mcp" and scope["method"] == "DELETE":
-                await state.withdraw("mcp", record_id)
             return
         caller = caller_of_scope(scope)
         try:
@@ -283,3 +284,85 @@ class Peers:
                 if node_id != self.state.node_id:
                     group.start_soon(ask, node_id, url)
         return found
+
+    async def session_node(self, session_id: str, caller: Caller) -> str | None:
+        """The URL of the other replica that holds `session_id`, for a tool call that names it; None when
+        this replica is the one to answer (it holds it, or nobody does: its own 404). A lost replica's
+        session, or one that ended elsewhere, is its 410 (to a caller who may know of it)."""
+        if self.state.holds("session", session_id):
+            return None
+        placed = await self.state.place("session", session_id)
+        if placed is not None and placed.node_url is not None and placed.node_id != self.state.node_id:
+            return placed.node_url
+        if placed is not None and placed.lost and may_access(caller, placed.owner):
+            raise Gone(f"Session {session_id} has ended: node_lost", reason="node_lost")
+        tombstone = await self.state.tombstone(session_id) if placed is None else None
+        if tombstone is not None and may_access(caller, tombstone.owner):
+            raise Gone(f"Session {session_id} has ended: {tombstone.reason}", reason=tombstone.reason)
+        return None
+
+    async def call_tool(
+        self, node_url: str, tool: str, request: BaseModel, caller: Caller, sink: OutputSink | None
+    ) -> BaseModel:
+        """Runs the tool call on the replica at `node_url` (`POST /tools/<tool>`, as its caller), and answers
+        what it answered: its result, or its error as this replica's. With a sink, the call streams (SSE)
+        and its output reaches the sink as it comes."""
+        url = f"{node_url}/tools/{tool}"
+        body = request.model_dump(mode="json", exclude_unset=True)  # what the caller said, not the defaults
+        headers = self.forwarder.headers(caller)
+        if sink is not None:
+            headers.append((b"accept", b"text/event-stream"))
+        try:
+            async with self.forwarder.http.stream("POST", url, json=body, headers=headers) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    raise _relayed_error(response)
+                if sink is None:
+                    return Relayed.model_validate_json(await response.aread())
+                sink.started()
+                async for event in httpx2.EventSource(response):
+                    data = event.json()
+                    if not isinstance(data, dict):
+                        raise UpstreamError("The replica that holds this session sent an event that is not JSON")
+                    if event.event in _OUTPUT_STREAMS:
+                        sink.output(_OUTPUT_STREAMS[event.event], str(data["text"]))
+                    elif event.event == "result":
+                        return Relayed.model_validate(data)
+                    elif event.event == "error":
+                        raise service_error_of(data.pop("status", 502), data)
+        except httpx2.TransportError as exc:
+            log.warning("fleet: the replica at %s could not be reached: %s", node_url, type(exc).__name__)
+            raise Unavailable(
+                "The replica that holds this session cannot be reached right now; retry in a few seconds"
+            ) from None
+        raise UpstreamError("The replica that holds this session ended its answer without a result")
+
+
+_OUTPUT_STREAMS: dict[str, Stream] = {"stdout": "stdout", "stderr": "stderr"}
+
+
+class Relayed(BaseModel):
+    """Another replica's answer to a tool call, exactly as it gave it (every field it had)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def _relayed_error(response: httpx2.Response) -> MetaAgentError:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or not isinstance(body.get("error"), str):
+        return UpstreamError(f"The replica that holds this session answered {response.status_code} without an error")
+    return service_error_of(response.status_code, body)
+
+
+def service_error_of(status: object, body: dict[str, Any]) -> MetaAgentError:
+    """The error another replica answered, raised here with its status and every field of its body."""
+    extra = {k: v for k, v in body.items() if k not in ("error", "status")}
+    message = str(body.get("error", "the call failed on the replica that holds it"))
+    code = status if isinstance(status, int) else 502
+    if code == 429:
+        retry_after = extra.get("retry_after_s")
+        return AtCapacity(message, retry_after_s=retry_after if isinstance(retry_after, int) else 5)
+    return ServiceError(code, message, **extra)
