@@ -50,6 +50,9 @@ log = logging.getLogger("metaagent.access")
 KEY_MIN_LENGTH = 16
 PUBLIC_PATHS = frozenset({"/health"})
 CALLER_SCOPE_KEY = "metaagent.caller"
+# Set on a request that another replica of the fleet forwarded, once its fleet token was checked
+# (`metaagent.fleet.routing`): it carries its caller, and its Host and Origin were checked where it came in.
+FORWARDED_SCOPE_KEY = "metaagent.fleet.forwarded"
 OPERATOR_SUFFIX = ":admin"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _KEY_CHARS = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII: what an HTTP header carries unchanged

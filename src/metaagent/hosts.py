@@ -25,6 +25,7 @@ from mcp.server.transport_security import TransportSecurityMiddleware, Transport
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from metaagent.access import FORWARDED_SCOPE_KEY
 from metaagent.asgi import send_json_error
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")
@@ -92,7 +93,7 @@ class CheckHostAndOrigin:
         self._sdk_check = TransportSecurityMiddleware(security)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.enabled:
+        if scope["type"] != "http" or not self.enabled or scope.get(FORWARDED_SCOPE_KEY):  # checked where it came in
             await self.app(scope, receive, send)
             return
         request = Request(scope)

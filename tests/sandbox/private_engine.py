@@ -23,17 +23,28 @@ START_TIMEOUT_S = 60
 STOP_TIMEOUT_S = 60
 
 
+def in_netns(namespace: str) -> list[str]:
+    """The argv prefix that runs a command in a named network namespace and nothing else: `ip netns exec`
+    would also give it a /sys of its own, without the cgroup mounts that dockerd needs."""
+    return ["nsenter", f"--net=/run/netns/{namespace}", "--"]
+
+
 class PrivateEngine:
-    def __init__(self, root: Path) -> None:
+    """`netns`: the network namespace it runs in (a fleet node's); `config`: its daemon.json (none: `{}`,
+    so the host's /etc/docker/daemon.json is ignored)."""
+
+    def __init__(self, root: Path, netns: str | None = None, config: dict[str, object] | None = None) -> None:
         self.root = root  # short: unix socket paths are limited to 107 bytes
         self.socket = root / "d.sock"
         self.url = f"unix://{self.socket}"
+        self.netns = netns
         self.process: subprocess.Popen[bytes] | None = None
-        (root / "daemon.json").write_text(json.dumps({}))  # ignore the host's /etc/docker/daemon.json
+        (root / "daemon.json").write_text(json.dumps(config or {}))
 
     def start(self) -> None:
         dockerd = shutil.which("dockerd") or "/usr/sbin/dockerd"
         argv = [
+            *(in_netns(self.netns) if self.netns else []),
             dockerd,
             f"--config-file={self.root / 'daemon.json'}",
             f"--host={self.url}",

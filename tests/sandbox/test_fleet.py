@@ -1,8 +1,10 @@
-"""Two replicas over one real Redis act as one service: whatever one holds, the other answers for.
+"""Replicas on nodes of their own act as one service over a real Redis: whatever one holds, the others
+answer for.
 
-Here both replicas are real `metaagent serve` processes on loopback beside one engine (each owns and
-sweeps only its own containers), with a redis-server of the test's own. What crosses between them is real
-HTTP: the forwarded calls, streams and file bodies, the listings, and the leases in Redis.
+Each node is a network namespace with its own dockerd, its own copy of the sandbox image and its own
+replica, joined to the others by veth pairs (`tests/fleet_nodes.py`); one redis-server serves them all.
+What crosses between nodes is real HTTP on the nodes' own addresses: forwarded calls, streams and file
+bodies, listings; and the leases in Redis.
 """
 
 from __future__ import annotations
@@ -10,13 +12,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import secrets
-import signal
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import anyio
 import docker
@@ -25,54 +24,29 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from metaagent.sandbox.engine import OWNER_PID_LABEL
-from tests.redis_server import RedisServer
-from tests.sandbox.conftest import Service, running_service
-from tests.sandbox.test_tenancy import KEYS, LONG_RUN, OPERATOR, bearer
+from tests.fleet_nodes import Node, fleet_nodes
+from tests.sandbox.test_tenancy import KEYS, LONG_RUN, OPERATOR
 from tests.test_access import ALICE, BOB
-from tests.test_cli import free_port
 
-pytestmark = [pytest.mark.docker, pytest.mark.redis, pytest.mark.slow]
+pytestmark = [pytest.mark.docker, pytest.mark.redis, pytest.mark.slow, pytest.mark.xdist_group("fleet")]
 
-TOKEN = secrets.token_urlsafe(32)
-
-
-def replica(workdir: Path, redis: RedisServer, **env: str) -> Iterator[Service]:
-    port = free_port()
-    return running_service(
-        workdir,
-        port=port,
-        METAAGENT_REDIS_URL=redis.url,
-        METAAGENT_NODE_URL=f"http://127.0.0.1:{port}",
-        METAAGENT_FLEET_TOKEN=TOKEN,
-        METAAGENT_API_KEYS=KEYS,
-        METAAGENT_POOL_SIZE="1",  # two services on two cores beside the other tests: a small pool each
-        **env,
-    )
+SMALL_POOL = {"METAAGENT_POOL_SIZE": "1"}  # several services on two cores beside the other tests
 
 
 @pytest.fixture(scope="module")
-def fleet(
-    tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient
-) -> Iterator[tuple[Service, Service]]:
-    redis = RedisServer(tmp_path_factory.mktemp("redis", numbered=True))
-    redis.start()
+def fleet(docker_client: docker.DockerClient) -> Iterator[tuple[Node, Node]]:
     limits = {"METAAGENT_SESSION_MAX": "3", "METAAGENT_SESSIONS_PER_KEY": "2", "METAAGENT_MAX_EXECUTIONS_PER_KEY": "2"}
-    try:
-        with (
-            replica(tmp_path_factory.mktemp("a"), redis, **limits) as a,
-            replica(tmp_path_factory.mktemp("b"), redis, **limits) as b,
-        ):
-            yield a, b
-    finally:
-        redis.stop()
+    with fleet_nodes(docker_client, 2, KEYS, **SMALL_POOL, **limits) as nodes:
+        a, b = nodes.nodes
+        yield a, b
 
 
-def call(service: Service, method: str, path: str, key: str = ALICE, **kwargs: object) -> httpx2.Response:
-    return httpx2.request(method, f"{service.base_url}{path}", headers=bearer(key), timeout=120, **kwargs)  # type: ignore[arg-type]
+def call(node: Node, method: str, path: str, key: str = ALICE, **kwargs: object) -> httpx2.Response:
+    with node.client(key) as client:
+        return client.request(method, path, **kwargs)  # type: ignore[arg-type]
 
 
-def test_a_session_opened_on_one_replica_is_used_and_closed_through_the_other(fleet: tuple[Service, Service]) -> None:
+def test_a_session_opened_on_one_node_is_used_and_closed_through_the_other(fleet: tuple[Node, Node]) -> None:
     a, b = fleet
     created = call(a, "POST", "/sessions", json={})
     assert created.status_code == 201, created.text
@@ -83,9 +57,9 @@ def test_a_session_opened_on_one_replica_is_used_and_closed_through_the_other(fl
     again = call(a, "POST", f"/sessions/{session_id}/execute", json={"code": "x"})
     assert again.json()["result"] == "41"  # one session, one state, whichever replica was asked
 
-    with httpx2.stream(
-        "POST", f"{b.base_url}/sessions/{session_id}/execute", json={"code": "console.log('a'); console.log('b'); 7"},
-        headers={**bearer(ALICE), "Accept": "text/event-stream"}, timeout=120,
+    with b.client(ALICE) as client, client.stream(
+        "POST", f"/sessions/{session_id}/execute", json={"code": "console.log('a'); console.log('b'); 7"},
+        headers={"Accept": "text/event-stream"},
     ) as stream:  # fmt: skip
         assert stream.status_code == 200
         assert stream.headers["content-type"].startswith("text/event-stream")
@@ -120,21 +94,21 @@ def test_a_session_opened_on_one_replica_is_used_and_closed_through_the_other(fl
         assert call(service, "GET", f"/sessions/{session_id}", key=BOB).status_code == 404
 
 
-def test_a_forward_without_the_fleet_token_is_refused(fleet: tuple[Service, Service]) -> None:
-    a, _ = fleet
+def test_a_forward_without_the_fleet_token_is_refused_and_the_token_is_never_logged(fleet: tuple[Node, Node]) -> None:
+    a, b = fleet
     caller = json.dumps({"key_id": "ops", "operator": True})
     for token in ("wrong" * 8, ""):
-        refused = httpx2.get(
-            f"{a.base_url}/sessions",
-            headers={"x-metaagent-fleet-token": token, "x-metaagent-fleet-caller": caller},
-            timeout=30,
-        )
+        with a.client() as client:
+            refused = client.get(
+                "/sessions", headers={"x-metaagent-fleet-token": token, "x-metaagent-fleet-caller": caller}
+            )
         assert refused.status_code == 401, refused.text
         assert "fleet token" in refused.json()["error"]
-    assert TOKEN not in a.stderr_path.read_text()
+    for node in (a, b):
+        assert node.env["METAAGENT_FLEET_TOKEN"] not in node.log.read_text()
 
 
-def test_a_running_execution_is_listed_and_killed_through_the_other_replica(fleet: tuple[Service, Service]) -> None:
+def test_a_running_execution_is_listed_and_killed_through_the_other_node(fleet: tuple[Node, Node]) -> None:
     a, b = fleet
     answers: list[httpx2.Response] = []
     thread = threading.Thread(
@@ -160,7 +134,7 @@ def test_a_running_execution_is_listed_and_killed_through_the_other_replica(flee
     assert call(b, "GET", f"/executions/{execution_id}").status_code == 404
 
 
-def test_the_per_key_limits_and_the_session_cap_hold_across_replicas(fleet: tuple[Service, Service]) -> None:
+def test_the_per_key_limits_and_the_session_cap_hold_across_nodes(fleet: tuple[Node, Node]) -> None:
     """METAAGENT_SESSIONS_PER_KEY 2 and METAAGENT_SESSION_MAX 3, counted by the whole fleet: concurrent
     creates spread over both replicas never win more places than there are."""
     a, b = fleet
@@ -201,72 +175,58 @@ def test_the_per_key_limits_and_the_session_cap_hold_across_replicas(fleet: tupl
             call(b, "DELETE", f"/executions/{execution['execution_id']}")
         answers = [f.result() for f in futures]
     assert sorted(r.status_code for r in answers) == [200, 200, 429, 429]
-    assert len(refused) == 2
+    refused = [r for r in answers if r.status_code == 429]
     assert all("METAAGENT_MAX_EXECUTIONS_PER_KEY" in r.json()["error"] for r in refused)
 
 
-def test_a_replica_killed_leaves_410_node_lost_and_gives_its_places_back(
-    tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient
-) -> None:
-    redis = RedisServer(tmp_path_factory.mktemp("redis", numbered=True))
-    redis.start()
-    try:
-        limits = {"METAAGENT_SESSION_MAX": "1"}
-        with (
-            replica(tmp_path_factory.mktemp("a"), redis, **limits) as a,
-            replica(tmp_path_factory.mktemp("b"), redis, **limits) as b,
-        ):
-            created = call(a, "POST", "/sessions", json={})
-            assert created.status_code == 201, created.text
-            session_id = created.json()["session_id"]
-            assert call(b, "POST", "/sessions", key=BOB, json={}).status_code == 429  # the fleet's one place
-            a.process.send_signal(signal.SIGKILL)
-            a.process.wait(30)
-            killed_at = time.monotonic()
-            while (answer := call(b, "GET", f"/sessions/{session_id}")).status_code != 410:
-                assert time.monotonic() - killed_at < 40, answer.text
-                time.sleep(0.5)
-            assert answer.json()["reason"] == "node_lost"
-            assert call(b, "GET", f"/sessions/{session_id}", key=BOB).status_code == 404
-            assert call(b, "GET", "/sessions").json()["sessions"] == []
-            opened = call(b, "POST", "/sessions", key=BOB, json={})  # the lost replica's place came back
-            assert opened.status_code == 201, opened.text
-            call(b, "DELETE", f"/sessions/{opened.json()['session_id']}", key=BOB)
-    finally:
-        redis.stop()
-        for container in docker_client.containers.list(
-            all=True, filters={"label": f"{OWNER_PID_LABEL}={a.process.pid}"}
-        ):
-            container.remove(force=True)  # what the killed replica left (its next start would sweep it)
+def test_a_node_killed_leaves_410_node_lost_and_gives_its_places_back(docker_client: docker.DockerClient) -> None:
+    with fleet_nodes(docker_client, 2, KEYS, METAAGENT_SESSION_MAX="1", **SMALL_POOL) as nodes:
+        a, b = nodes.nodes
+        created = call(a, "POST", "/sessions", json={})
+        assert created.status_code == 201, created.text
+        session_id = created.json()["session_id"]
+        assert call(b, "POST", "/sessions", key=BOB, json={}).status_code == 429  # the fleet's one place
+        a.kill()
+        killed_at = time.monotonic()
+        while (answer := call(b, "GET", f"/sessions/{session_id}")).status_code != 410:
+            assert time.monotonic() - killed_at < 40, answer.text
+            time.sleep(0.5)
+        assert answer.json()["reason"] == "node_lost"
+        answered = call(b, "POST", f"/sessions/{session_id}/execute", json={"code": "1"})
+        assert (answered.status_code, answered.json()["reason"]) == (410, "node_lost")
+        assert call(b, "GET", f"/sessions/{session_id}", key=BOB).status_code == 404
+        assert call(b, "GET", "/sessions").json()["sessions"] == []
+        opened = call(b, "POST", "/sessions", key=BOB, json={})  # the lost node's place came back
+        assert opened.status_code == 201, opened.text
+        call(b, "DELETE", f"/sessions/{opened.json()['session_id']}", key=BOB)
 
 
 class Alternating(httpx2.AsyncBaseTransport):
-    """Sends each request to the next of `ports` in turn, as a load balancer without affinity would."""
+    """Sends each request to the next of `nodes` in turn, as a load balancer without affinity would."""
 
-    def __init__(self, ports: list[int]) -> None:
-        self.inner = httpx2.AsyncHTTPTransport()
-        self.ports = itertools.cycle(ports)
-        self.sent: list[tuple[int, str]] = []
+    def __init__(self, nodes: list[Node]) -> None:
+        self.transports = [(node.name, node.async_transport()) for node in nodes]
+        self.turn = itertools.cycle(self.transports)
+        self.sent: list[tuple[str, str]] = []
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        port = next(self.ports)
-        request.url = request.url.copy_with(port=port)
-        self.sent.append((port, request.method))
-        return await self.inner.handle_async_request(request)
+        name, transport = next(self.turn)
+        self.sent.append((name, request.method))
+        return await transport.handle_async_request(request)
 
     async def aclose(self) -> None:
-        await self.inner.aclose()
+        for _, transport in self.transports:
+            await transport.aclose()
 
 
-async def test_an_mcp_client_whose_requests_alternate_between_replicas_reaches_a_session_on_either(
-    fleet: tuple[Service, Service],
+async def test_an_mcp_client_whose_requests_alternate_between_nodes_reaches_a_session_on_either(
+    fleet: tuple[Node, Node],
 ) -> None:
     a, b = fleet
     created = call(b, "POST", "/sessions", json={})  # the session lives on b
     assert created.status_code == 201, created.text
     session_id = created.json()["session_id"]
-    ports = [int(service.base_url.rsplit(":", 1)[1]) for service in (a, b)]
-    balancer = Alternating(ports)
+    balancer = Alternating([a, b])
     notifications: list[str | None] = []
 
     async def on_progress(_progress: float, _total: float | None, message: str | None) -> None:
@@ -275,8 +235,10 @@ async def test_an_mcp_client_whose_requests_alternate_between_replicas_reaches_a
     try:
         with anyio.fail_after(120):
             async with (
-                httpx2.AsyncClient(transport=balancer, headers=bearer(ALICE), timeout=60) as http,
-                Client(streamable_http_client(f"{a.base_url}/mcp", http_client=http)) as client,
+                httpx2.AsyncClient(
+                    transport=balancer, headers={"Authorization": f"Bearer {ALICE}"}, timeout=60
+                ) as http,
+                Client(streamable_http_client("http://127.0.0.1/mcp", http_client=http)) as client,
             ):
                 first = await client.call_tool(
                     "code_interpreter",
@@ -295,7 +257,7 @@ async def test_an_mcp_client_whose_requests_alternate_between_replicas_reaches_a
                 after = await client.call_tool("code_interpreter", {"code": "1", "session_id": session_id})
     finally:
         await balancer.aclose()
-    assert {port for port, _ in balancer.sent} == set(ports)  # both replicas were asked, in turn
+    assert {name for name, _ in balancer.sent} == {"a", "b"}  # both nodes were asked, in turn
     assert first.is_error is False, first.content
     assert first.structured_content is not None
     assert (first.structured_content["result"], first.structured_content["stdout"]) == ("10", "seen\n")
@@ -310,3 +272,73 @@ async def test_an_mcp_client_whose_requests_alternate_between_replicas_reaches_a
     assert after.is_error is True
     assert "closed" in after.content[0].text  # type: ignore[union-attr]
     assert call(a, "GET", f"/sessions/{session_id}").json()["reason"] == "closed"
+
+
+def test_redis_stopped_and_started_under_load_loses_nothing_accepted_and_leaks_no_container(
+    docker_client: docker.DockerClient,
+) -> None:
+    """While Redis is down, new work is refused (503) and what runs goes on; once it is back (empty, as a
+    server without persistence comes back), each node writes back what it holds and the fleet is whole."""
+    with fleet_nodes(docker_client, 2, KEYS, **SMALL_POOL) as nodes:
+        a, b = nodes.nodes
+        created = call(a, "POST", "/sessions", json={})
+        assert created.status_code == 201, created.text
+        session_id = created.json()["session_id"]
+        assert (
+            call(b, "POST", f"/sessions/{session_id}/execute", json={"code": "globalThis.kept = 'yes'"}).status_code
+            == 200
+        )
+        answers: list[tuple[int, httpx2.Response]] = []
+        stop = threading.Event()
+
+        def load(worker: int) -> None:
+            for n in itertools.count():
+                if stop.is_set():
+                    return
+                code = f"console.log({worker * 1000 + n})"
+                answers.append(
+                    (worker * 1000 + n, call((a, b)[n % 2], "POST", "/tools/code-interpreter", json={"code": code}))
+                )
+
+        # One execution accepted before Redis goes, still running while it is down.
+        slow = {"code": "setTimeout(() => console.log('finished'), 3000)", "timeout_s": 30}
+        with ThreadPoolExecutor(4) as pool:
+            running = pool.submit(call, a, "POST", "/tools/code-interpreter", json=slow)
+            workers = [pool.submit(load, worker) for worker in range(2)]
+            time.sleep(1.0)
+            nodes.redis.stop()
+            time.sleep(3.0)
+            during = call(b, "POST", "/sessions", key=BOB, json={})
+            nodes.redis.start()
+            time.sleep(2.0)
+            stop.set()
+            for worker in workers:
+                worker.result()
+            slow_answer = running.result()
+
+        assert slow_answer.status_code == 200, slow_answer.text
+        assert slow_answer.json()["stdout"] == "finished\n"
+        assert during.status_code == 503, during.text
+        assert "Redis" in during.json()["error"]
+        statuses = {status for _, r in answers if (status := r.status_code) != 200}
+        assert statuses <= {503}, [r.text for _, r in answers if r.status_code not in (200, 503)]
+        for n, answer in answers:  # every call that was accepted ran, and answered its own output
+            if answer.status_code == 200:
+                assert answer.json()["stdout"] == f"{n}\n"
+        assert any(r.status_code == 200 for _, r in answers)
+
+        # The session lives on, and within a heartbeat (5 s) the other node reaches it again.
+        deadline = time.monotonic() + 30
+        while (again := call(b, "POST", f"/sessions/{session_id}/execute", json={"code": "kept"})).status_code != 200:
+            assert time.monotonic() < deadline, again.text
+            time.sleep(0.5)
+        assert again.json()["result"] == "'yes'"
+        assert [s["session_id"] for s in call(b, "GET", "/sessions").json()["sessions"]] == [session_id]
+        assert call(b, "DELETE", f"/sessions/{session_id}").status_code == 200
+
+        # No container leaked: each replica stopped cleanly leaves its engine empty.
+        for node in (a, b):
+            node.stop()
+            assert node.replica is not None
+            assert node.replica.returncode == 0
+            assert node.engine.containers() == [], node.name

@@ -37,7 +37,7 @@ async def list_executions(request: Request) -> ExecutionList:
     caller, svc = caller_of(request), services(request)
     mine = [e.info() for e in visible_to(caller, svc.executions.all(), _owner)]
     if svc.peers is not None and not forwarded(request):
-        found = await svc.peers.gather("/executions", caller, "executions", request.headers.get("host"))
+        found = await svc.peers.gather("/executions", caller, "executions")
         mine += [ExecutionInfo.model_validate(item) for item in found]
     return ExecutionList(executions=mine)
 

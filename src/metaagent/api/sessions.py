@@ -67,7 +67,7 @@ async def list_sessions(request: Request) -> SessionList:
     svc, caller = services(request), current_tenant()
     sessions = svc.sessions.list(caller)
     if svc.peers is not None and not forwarded(request):
-        found = await svc.peers.gather("/sessions", caller, "sessions", request.headers.get("host"))
+        found = await svc.peers.gather("/sessions", caller, "sessions")
         sessions += [SessionRecord.model_validate(item) for item in found]
     return SessionList(sessions=sessions)
 

@@ -3,10 +3,12 @@ the rest, byte for byte, to the replica that holds it.
 
 Two ASGI middlewares, and the client that forwards:
 
-- `AcceptFleetRequests` (outside the key check) takes a request another replica forwarded: it carries the
-  fleet's secret (`METAAGENT_FLEET_TOKEN`, compared in constant time; a wrong one is a 401) and the
-  original caller's identity, which this replica then checks ownership against exactly as if the caller
-  had come here. A forwarded request is served here and never forwarded again.
+- `AcceptFleetRequests` (outermost but for the hang-up log) takes a request another replica forwarded: it
+  carries the fleet's secret (`METAAGENT_FLEET_TOKEN`, compared in constant time; a wrong one is a 401)
+  and the original caller's identity, which this replica then checks ownership against exactly as if the
+  caller had come here. Its Host and Origin were checked where it came in (a web page cannot know the
+  fleet's secret, so DNS rebinding cannot make one). A forwarded request is served here and never
+  forwarded again.
 - `RouteToOwner` (inside the key check, so the caller is known) looks up which replica holds the id that a
   request names (`/sessions/{id}...`, `/executions/{id}`, an `Mcp-Session-Id`) and forwards it there:
   method, path, query, headers (the caller's own Host and Origin, which passed the same checks here, but
@@ -32,7 +34,7 @@ from mcp.server.auth.provider import AccessToken
 from pydantic import BaseModel, ConfigDict
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metaagent.access import CALLER_SCOPE_KEY, acting_as, caller_of
+from metaagent.access import CALLER_SCOPE_KEY, FORWARDED_SCOPE_KEY, acting_as, caller_of
 from metaagent.asgi import send_json_error
 from metaagent.errors import AtCapacity, Gone, MetaAgentError, ServiceError, Unavailable, UpstreamError
 from metaagent.fleet.state import Kind, SharedState, SharedStateUnavailable
@@ -43,7 +45,6 @@ log = logging.getLogger("metaagent")
 
 TOKEN_HEADER = b"x-metaagent-fleet-token"
 CALLER_HEADER = b"x-metaagent-fleet-caller"
-FORWARDED_SCOPE_KEY = "metaagent.fleet.forwarded"
 MCP_SESSION_HEADER = b"mcp-session-id"
 
 # Hop-by-hop headers (RFC 9110 7.6.1) are the connection's, not the message's. A body keeps its
@@ -258,9 +259,9 @@ class Peers:
         self.state = state
         self.forwarder = forwarder
 
-    async def gather(self, path: str, caller: Caller, field: str, host: str | None) -> list[Any]:
+    async def gather(self, path: str, caller: Caller, field: str) -> list[Any]:
         """`field`'s items from `GET path` on every other live replica (one that does not answer in 5 s is
-        left out, and logged), asked with the caller's own Host (which passed the same check here)."""
+        left out, and logged)."""
         try:
             nodes = await self.state.nodes()
         except SharedStateUnavailable:
@@ -270,10 +271,7 @@ class Peers:
         async def ask(node_id: str, url: str) -> None:
             try:
                 with anyio.fail_after(5):
-                    original = [(b"host", host.encode("latin-1"))] if host else []
-                    response = await self.forwarder.http.get(
-                        url + path, headers=self.forwarder.headers(caller, original)
-                    )
+                    response = await self.forwarder.http.get(url + path, headers=self.forwarder.headers(caller))
                 response.raise_for_status()
                 found.extend(response.json()[field])
             except (httpx2.HTTPError, TimeoutError, ValueError, KeyError) as exc:

@@ -4,9 +4,10 @@ Two things go to the kernel directly, because the engine's way is slow or missin
 notifications (`metaagent.sandbox.oom`) and a running container's CPU quota and weight (`CpuControl`).
 
 Both need cgroup v1 and a service that may write the engine's cgroups (root on the engine's host, not in
-a container of its own), and find a container's cgroup where Docker puts it by default: `/docker/<id>`
-with the cgroupfs driver, `system.slice/docker-<id>.scope` with systemd. Elsewhere (cgroup v2, another
-`cgroup-parent`, not root) each is off, logs why once, and the service uses the engine alone.
+a container of its own), and find a container's cgroup: where Docker puts it by default (`/docker/<id>`
+with the cgroupfs driver, `system.slice/docker-<id>.scope` with systemd), or under the engine's own
+`--cgroup-parent`, searched for once. Elsewhere (cgroup v2, not root, an engine on another host) each is
+off, logs why once, and the service uses the engine alone.
 """
 
 from __future__ import annotations
@@ -47,8 +48,24 @@ def cgroup_candidates(hierarchy: Path, container_id: str) -> tuple[Path, ...]:
     return hierarchy / "docker" / container_id, hierarchy / "system.slice" / f"docker-{container_id}.scope"
 
 
+# Where containers' cgroups were found besides the defaults (an engine started with another
+# `--cgroup-parent`), per hierarchy: looked in first, so that the search below runs once per parent.
+_learned_parents: dict[Path, list[Path]] = {}
+
+
 def container_cgroup(hierarchy: Path, container_id: str) -> Path | None:
-    return next((path for path in cgroup_candidates(hierarchy, container_id) if path.is_dir()), None)
+    """The container's cgroup: where Docker puts it by default, else under a parent found before, else
+    searched for one and two levels down (another `--cgroup-parent`), and that parent remembered."""
+    learned = _learned_parents.setdefault(hierarchy, [])
+    for path in (*cgroup_candidates(hierarchy, container_id), *(parent / container_id for parent in learned)):
+        if path.is_dir():
+            return path
+    for pattern in (f"*/{container_id}", f"*/*/{container_id}"):
+        found = next((path for path in hierarchy.glob(pattern) if path.is_dir()), None)
+        if found is not None:
+            learned.append(found.parent)
+            return found
+    return None
 
 
 class CpuControl:
@@ -90,10 +107,10 @@ class CpuControl:
         cgroup = container_cgroup(self.hierarchy, container_id)
         if cgroup is None:
             # One container may have ended since it was ready (its cgroup is gone); several in a row without
-            # a write that worked mean the engine's cgroups are elsewhere (another host, another parent).
+            # a write that worked mean the engine's cgroups are out of reach (another host).
             self._misses += 1
             if self._misses >= MISSES_BEFORE_OFF:
-                self._fail(f"{self._misses} containers in a row had no cgroup where Docker puts one by default")
+                self._fail(f"{self._misses} containers in a row had no cgroup that this process can see")
             return False
         self._misses = 0
         try:
