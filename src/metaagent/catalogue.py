@@ -8,6 +8,7 @@ from pydantic import BaseModel
 
 from metaagent import metrics
 from metaagent.access import current_caller, current_tenant
+from metaagent.errors import ReplicaFull
 from metaagent.sandbox.output import OutputSink
 from metaagent.services import Services
 from metaagent.sessions import file_tools
@@ -70,12 +71,28 @@ async def _execute_as_caller(
     svc: Services, request: CodeInterpreterRequest, sink: OutputSink | None
 ) -> CodeInterpreterResponse:
     caller = current_caller()  # the API key's id, set by the access check
-    async with svc.execution_quota.hold(caller):
-        return await svc.interpreter(request, caller=caller, sink=sink)
+    try:
+        async with svc.execution_quota.hold(caller):
+            return await svc.interpreter(request, caller=caller, sink=sink)
+    except ReplicaFull as full:  # in a fleet, another replica with room runs it (its own place taken there)
+        if svc.peers is None:
+            raise
+        # The other replica's answer, every field of it.
+        return await svc.peers.hand_over("code_interpreter", request, current_tenant(), sink, full)  # type: ignore[return-value]
+
+
+async def open_session(svc: Services, request: SessionCreateRequest) -> SessionRecord:
+    """A new session: here, or in a fleet on the replica that holds the fewest once this one holds its
+    share of the fleet's sessions (`metaagent.fleet.routing.Peers.session_home`)."""
+    if svc.peers is not None:
+        home = await svc.peers.session_home(svc.sessions.open_count, svc.sessions.limits.max_sessions)
+        if home is not None:
+            return await svc.peers.call_tool(home, "session_create", request, current_tenant(), None)  # type: ignore[return-value]
+    return await svc.sessions.create(request, current_tenant())
 
 
 async def _invoke_session_create(svc: Services, request: SessionCreateRequest) -> SessionRecord:
-    return await svc.sessions.create(request, current_tenant())
+    return await open_session(svc, request)
 
 
 async def _invoke_session_close(svc: Services, request: SessionCloseRequest) -> SessionClosed:

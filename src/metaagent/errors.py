@@ -14,6 +14,7 @@
     ├── PayloadTooLarge                  413
     ├── InsufficientStorage              507: a session's workspace is full
     ├── AtCapacity                       429, with Retry-After
+    │   └── ReplicaFull                  this replica's slots and queue are full (a fleet hands the call on)
     ├── ClientGone                       499: the caller disconnected; its work was cancelled
     ├── UpstreamError                    502: an allowed upstream failed (DNS, refused, TLS, bad answer)
     │   └── UpstreamTimeout              504: an allowed upstream was too slow
@@ -128,6 +129,11 @@ class AtCapacity(MetaAgentError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message, retry_after_s=retry_after_s)
         self.retry_after_s = retry_after_s
+
+
+class ReplicaFull(AtCapacity):
+    """This replica's execution slots and queue are full. In a fleet another replica may take the call;
+    the caller sees the 429 only when every replica is full."""
 
 
 class ClientGone(MetaAgentError):

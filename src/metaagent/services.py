@@ -33,7 +33,7 @@ from metaagent.egress.pool import ConnectionLimits
 from metaagent.executions import ExecutionRegistry
 from metaagent.fleet.replica import FleetConfig, keep_beating, shared_state
 from metaagent.fleet.routing import Forwarder, Peers
-from metaagent.fleet.state import SharedState, SharedStateUnavailable
+from metaagent.fleet.state import RedisState, SharedState, SharedStateUnavailable
 from metaagent.languages import JAVASCRIPT, Language, served
 from metaagent.packages.policy import SETTING as NPM_SETTING
 from metaagent.packages.policy import PackagePolicy
@@ -209,6 +209,8 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
         ),
         workspace_mb=settings.session_workspace_mb,
     )
+    if isinstance(fleet, RedisState):  # what this replica runs, for the others to hand work to the least busy
+        fleet.load = partial(_load, interpreter, sessions)
     search, embeddings = SearchTool(guard, settings), EmbeddingsTool(guard, settings)
     metrics.watch_admission(interpreter.admission)
     for name, lane in interpreter.lanes.items():
@@ -276,6 +278,17 @@ async def running_services(config: Configuration) -> AsyncIterator[Services]:
             engine.close()
             # Last: cancelling this task group's scope also cancels every await above in this task.
             background.cancel_scope.cancel()
+
+
+def _load(interpreter: CodeInterpreter, sessions: Sessions) -> dict[str, int]:
+    admission = interpreter.admission
+    return {
+        "running": admission.running,
+        "waiting": admission.waiting,
+        "capacity": admission.capacity,
+        "queue": admission.queue_size,
+        "sessions": sessions.open_count,
+    }
 
 
 async def _prepare_sandbox(interpreter: CodeInterpreter, build: bool) -> None:

@@ -349,3 +349,51 @@ def test_redis_stopped_and_started_under_load_loses_nothing_accepted_and_a_node_
         assert b.replica is not None
         assert b.replica.returncode == 0
         assert b.engine.containers() == []
+
+
+def audited(node: Node, event: str) -> list[dict[str, object]]:
+    lines = (node.root / "audit.jsonl").read_text().splitlines()
+    return [record for line in lines if (record := json.loads(line)).get("event") == event]
+
+
+def test_a_full_node_hands_new_work_to_another_and_429_means_the_whole_fleet_is_full(
+    docker_client: docker.DockerClient,
+) -> None:
+    one_slot = {"METAAGENT_MAX_CONCURRENT_EXECUTIONS": "1", "METAAGENT_EXECUTION_QUEUE_SIZE": "0"}
+    with fleet_nodes(docker_client, 2, KEYS, METAAGENT_SESSION_MAX="4", **one_slot, **SMALL_POOL) as nodes:
+        a, b = nodes.nodes
+        # Sessions: past its share of the fleet's four, a opens the next ones on b, which holds fewer.
+        opened = [call(a, "POST", "/sessions", key=OPERATOR, json={}) for _ in range(4)]
+        assert [r.status_code for r in opened] == [201] * 4, [r.text for r in opened]
+        ids = {r.json()["session_id"] for r in opened}
+        on_a = {r["session_id"] for r in audited(a, "session.created")}
+        on_b = {r["session_id"] for r in audited(b, "session.created")}
+        assert (len(on_a), len(on_b), on_a | on_b) == (2, 2, ids)
+        refused = call(b, "POST", "/sessions", key=OPERATOR, json={})
+        assert refused.status_code == 429  # the fleet's four are open
+        for session_id in ids:
+            assert call(b, "DELETE", f"/sessions/{session_id}", key=OPERATOR).status_code == 200
+
+        # Executions: a's one slot is busy, so the next call made to a runs on b; a third finds both full.
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(call, a, "POST", "/tools/code-interpreter", key=OPERATOR, json=LONG_RUN)
+            deadline = time.monotonic() + 120
+            while not call(a, "GET", "/executions", key=OPERATOR).json()["executions"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            second = pool.submit(call, a, "POST", "/tools/code-interpreter", key=OPERATOR, json=LONG_RUN)
+            while len(running := call(b, "GET", "/executions", key=OPERATOR).json()["executions"]) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            full = call(a, "POST", "/tools/code-interpreter", key=OPERATOR, json={"code": "console.log(1)"})
+            for execution in running:
+                call(b, "DELETE", f"/executions/{execution['execution_id']}", key=OPERATOR)
+            answers = [first.result(), second.result()]
+        assert [r.status_code for r in answers] == [200, 200]
+        assert all(r.json()["killed"] for r in answers)
+        assert full.status_code == 429, full.text
+        assert full.headers["retry-after"]
+        assert "At capacity" in full.json()["error"]
+        ran_on_b = {r["execution_id"] for r in audited(b, "execution.finished")}
+        assert answers[1].json()["execution_id"] in ran_on_b
+        assert answers[0].json()["execution_id"] not in ran_on_b

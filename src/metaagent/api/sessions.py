@@ -18,6 +18,7 @@ from metaagent.api.body import StrictJsonRoute
 from metaagent.api.deps import services, until_disconnect
 from metaagent.api.errors import error_responses
 from metaagent.api.events import OPENAPI_RESPONSE, event_stream, wants_event_stream
+from metaagent.catalogue import open_session
 from metaagent.fleet.routing import forwarded
 from metaagent.sessions.models import (
     FileDeleted,
@@ -58,7 +59,7 @@ FILES_SEGMENT = b"files"
     responses=error_responses(400, 422, 429, 503),
 )  # fmt: skip
 async def create_session(request: Request, body: SessionCreateRequest | None = Body(default=None)) -> SessionRecord:  # noqa: B008 -- FastAPI's way to make a body optional
-    return await services(request).sessions.create(body or SessionCreateRequest(), current_tenant())
+    return await open_session(services(request), body or SessionCreateRequest())
 
 
 @router.get("", summary="The caller's open sessions")

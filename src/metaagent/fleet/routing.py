@@ -23,8 +23,10 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import re
 from collections.abc import AsyncIterator, Callable, Iterable
+from contextvars import ContextVar
 from typing import Any
 
 import anyio
@@ -37,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from metaagent.access import CALLER_SCOPE_KEY, FORWARDED_SCOPE_KEY, acting_as, caller_of
 from metaagent.asgi import send_json_error
 from metaagent.errors import AtCapacity, Gone, MetaAgentError, ServiceError, Unavailable, UpstreamError
-from metaagent.fleet.state import Kind, SharedState, SharedStateUnavailable
+from metaagent.fleet.state import Kind, Replica, SharedState, SharedStateUnavailable
 from metaagent.sandbox.output import OutputSink, Stream
 from metaagent.tenancy import Caller, may_access
 
@@ -71,6 +73,10 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+# Whether the request being served came from another replica: it is answered here, never handed on again.
+_serving_a_forward: ContextVar[bool] = ContextVar("metaagent_serving_a_forward", default=False)
+
+
 class AcceptFleetRequests:
     """ASGI middleware: a request that carries the fleet's secret is another replica's forward."""
 
@@ -95,8 +101,12 @@ class AcceptFleetRequests:
             return
         scope = {**scope, FORWARDED_SCOPE_KEY: True, CALLER_SCOPE_KEY: caller}
         scope["user"] = AuthenticatedUser(AccessToken(token="", client_id=str(caller.key_id), scopes=[]))
-        with acting_as(caller):
-            await self.app(scope, receive, send)
+        handed = _serving_a_forward.set(True)
+        try:
+            with acting_as(caller):
+                await self.app(scope, receive, send)
+        finally:
+            _serving_a_forward.reset(handed)
 
 
 class Forwarder:
@@ -283,6 +293,46 @@ class Peers:
                     group.start_soon(ask, node_id, url)
         return found
 
+    async def hand_over(
+        self, tool: str, request: BaseModel, caller: Caller, sink: OutputSink | None, full: AtCapacity
+    ) -> BaseModel:
+        """Runs a call that this replica has no room for on another: the least loaded first (by the load each
+        reported at its last beat), each in turn while they answer 429 or cannot be reached. Raises `full`,
+        this replica's own 429, when every replica is full, or when the call was handed here by another."""
+        if _serving_a_forward.get():
+            raise full
+        try:
+            replicas = await self.state.replicas()
+        except SharedStateUnavailable:
+            raise full from None
+        others = sorted(
+            (replica for node_id, replica in replicas.items() if node_id != self.state.node_id), key=_busyness
+        )
+        for replica in others:
+            try:
+                return await self.call_tool(replica.url, tool, request, caller, sink)
+            except (AtCapacity, Unavailable):
+                continue  # it filled up since its last beat, or it cannot be reached now: the next one
+        raise full
+
+    async def session_home(self, open_here: int, session_max: int) -> str | None:
+        """Where a new session should open: None for here, while this replica holds less than its even share
+        of the fleet's sessions (`METAAGENT_SESSION_MAX` over the live replicas), or no other holds fewer;
+        else the replica that holds the fewest (as each reported at its last beat)."""
+        if _serving_a_forward.get():
+            return None
+        try:
+            replicas = await self.state.replicas()
+        except SharedStateUnavailable:
+            return None  # the admission answers the 503
+        if open_here < math.ceil(session_max / max(1, len(replicas))):
+            return None
+        others = [
+            (r.load.get("sessions", 0), r.url) for node_id, r in replicas.items() if node_id != self.state.node_id
+        ]
+        fewest = min(others, default=None)
+        return fewest[1] if fewest is not None and fewest[0] < open_here else None
+
     async def session_node(self, session_id: str, caller: Caller) -> str | None:
         """The URL of the other replica that holds `session_id`, for a tool call that names it; None when
         this replica is the one to answer (it holds it, or nobody does: its own 404). A lost replica's
@@ -334,6 +384,14 @@ class Peers:
                 "The replica that holds this session cannot be reached right now; retry in a few seconds"
             ) from None
         raise UpstreamError("The replica that holds this session ended its answer without a result")
+
+
+def _busyness(replica: Replica) -> tuple[bool, float]:
+    """A replica's order among those a call may be handed to: with room first, then the least busy."""
+    load = replica.load
+    capacity, queue = max(1, load.get("capacity", 1)), load.get("queue", 0)
+    running, waiting = load.get("running", 0), load.get("waiting", 0)
+    return running >= capacity and waiting >= queue, (running + waiting) / capacity
 
 
 _OUTPUT_STREAMS: dict[str, Stream] = {"stdout": "stdout", "stderr": "stderr"}

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -73,6 +73,14 @@ class Placed:
 
 
 @dataclass(frozen=True)
+class Replica:
+    """A live replica: where it is reached, and the load it reported at its last heartbeat."""
+
+    url: str
+    load: dict[str, int]
+
+
+@dataclass(frozen=True)
 class Tombstone:
     owner: str | None
     reason: str
@@ -102,6 +110,7 @@ class SharedState(Protocol):
     async def place(self, kind: Kind, record_id: str) -> Placed | None: ...
     async def listing(self, kind: Kind) -> list[Placed]: ...
     async def nodes(self) -> dict[str, str]: ...
+    async def replicas(self) -> dict[str, Replica]: ...
     async def bury(self, record_id: str, owner: str | None, reason: str, keep_s: float) -> None: ...
     async def tombstone(self, record_id: str) -> Tombstone | None: ...
 
@@ -177,6 +186,9 @@ class LocalState:
     async def nodes(self) -> dict[str, str]:
         return {self.node_id: self.node_url}
 
+    async def replicas(self) -> dict[str, Replica]:
+        return {self.node_id: Replica(self.node_url, {})}
+
     async def bury(self, record_id: str, owner: str | None, reason: str, keep_s: float) -> None:
         self._tombstones[record_id] = (Tombstone(owner, reason), time.monotonic() + keep_s)
         while len(self._tombstones) > MAX_LOCAL_TOMBSTONES:
@@ -241,6 +253,7 @@ class RedisState:
         timeout_s: float = 2.0,
     ) -> None:
         self.node_id, self.node_url, self.lost_after_s = node_id, node_url, lost_after_s
+        self.load: Callable[[], dict[str, int]] = dict  # what this replica runs, reported with each beat
         self._redis = Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
         )
@@ -275,9 +288,10 @@ class RedisState:
 
     async def beat(self) -> None:
         """Says this replica is alive; if Redis had forgotten it, writes back everything it holds."""
+        beat = json.dumps({"url": self.node_url, "load": self.load()}, separators=(",", ":"))
         previous = await self._call(
             "the heartbeat",
-            self._redis.set(self._node_key(self.node_id), self.node_url, px=int(self.lost_after_s * 1000), get=True),
+            self._redis.set(self._node_key(self.node_id), beat, px=int(self.lost_after_s * 1000), get=True),
         )
         if previous is None or self._resync:
             self._resync = False
@@ -365,12 +379,20 @@ class RedisState:
 
     async def nodes(self) -> dict[str, str]:
         """The live replicas: node id -> URL."""
+        return {node_id: replica.url for node_id, replica in (await self.replicas()).items()}
 
-        async def read() -> dict[str, str]:
+    async def replicas(self) -> dict[str, Replica]:
+        """The live replicas, with the load each reported at its last beat."""
+
+        async def read() -> dict[str, Replica]:
             names = [name async for name in self._redis.scan_iter(match=f"{PREFIX}node:*", count=100)]
-            urls = await self._redis.mget(names) if names else []
-            found = zip(names, urls, strict=True)
-            return {n.removeprefix(f"{PREFIX}node:"): str(u) for n, u in found if u is not None}
+            beats = await self._redis.mget(names) if names else []
+            found = {}
+            for name, beat in zip(names, beats, strict=True):
+                if beat is not None:
+                    record = json.loads(beat)
+                    found[name.removeprefix(f"{PREFIX}node:")] = Replica(record["url"], record.get("load") or {})
+            return found
 
         return dict(await self._call("listing the replicas", read()))
 

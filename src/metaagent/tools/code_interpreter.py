@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from metaagent.audit import AuditLog
 from metaagent.egress.allowlist import AllowList
-from metaagent.errors import AtCapacity, MetaAgentError, PackageRefused, RequestRefused, Unavailable
+from metaagent.errors import MetaAgentError, PackageRefused, ReplicaFull, RequestRefused, Unavailable
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
 from metaagent.languages import JAVASCRIPT, PYTHON, Language, LanguageName, code_fields, served_language
 from metaagent.languages.container import container_spec
@@ -135,7 +135,7 @@ class Admission:
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[float]:
         if self._slots.value == 0 and self.waiting >= self.queue_size:
-            raise AtCapacity(
+            raise ReplicaFull(
                 # Never how many run or wait: those are other tenants' work.
                 "At capacity: every execution slot of the service is busy and its queue "
                 "(METAAGENT_EXECUTION_QUEUE_SIZE) is full; retry shortly",
