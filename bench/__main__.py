@@ -22,6 +22,7 @@ from bench import (
     allowlist_rate,
     benign,
     cpu,
+    fleet,
     http_tool,
     latency,
     phases,
@@ -44,6 +45,7 @@ SECTIONS = (
     "allowlist",
     "benign",
     "cpu",
+    "fleet",
     "http",
     "latency",
     "phases",
@@ -92,6 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-batch", type=int, help="CPU section: executions per contender and round (default 4)")
     parser.add_argument("--cpu-phase-iterations", type=int, help="CPU section: in-process runs per path (default 8)")
     parser.add_argument("--syscall-rounds", type=int, help="syscalls section: runs per program (default 5)")
+    parser.add_argument("--fleet-rounds", type=int, help="fleet section: session calls each way (default 100)")
+    parser.add_argument("--fleet-seconds", type=float, help="fleet section: seconds per throughput phase (default 8)")
+    parser.add_argument("--fleet-repeats", type=int, help="fleet section: each throughput phase, times (default 2)")
     parser.add_argument("--no-runsc", action="store_true", help="leave the runsc (gVisor) rows out")
     parser.add_argument("--no-epicbox", action="store_true", help="leave epicbox out of the latency table")
     parser.add_argument("--epicbox-venv", type=Path, default=DEFAULT_EPICBOX_VENV, help="epicbox's own venv")
@@ -118,6 +123,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("cpu_batch", 4, 2),
         ("cpu_phase_iterations", 8, 1),
         ("syscall_rounds", 5, 1),
+        ("fleet_rounds", 100, 10),
+        ("fleet_seconds", 8.0, 2.0),
+        ("fleet_repeats", 2, 1),
     ]:
         if getattr(args, name) is None:
             setattr(args, name, smoke if quick else full)
@@ -378,6 +386,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "syscalls" in only:
             results["syscalls"] = syscalls.measure(
                 image, runsc=runsc_problem is None, rounds=args.syscall_rounds, progress=progress
+            )
+
+        if "fleet" in only:
+            subprocess.run([sys.executable, "-m", "metaagent", "sandbox", "build"], check=True, capture_output=True)
+            results["fleet"] = fleet.measure(
+                client,
+                ["runc"] + ([] if runsc_problem else [RUNSC.name]),
+                rounds=args.fleet_rounds,
+                warmup=args.warmup,
+                duration_s=args.fleet_seconds,
+                repeats=args.fleet_repeats,
+                progress=progress,
             )
 
     results["machine"]["load_average_end"] = load_average()

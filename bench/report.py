@@ -122,7 +122,51 @@ def targets(results: dict[str, Any]) -> list[Target]:
         *(target for runtime in ("runc", "runsc") for target in _session_targets(results, runtime)),
         *cpu_targets(results),
         *default_runtime_targets(results),
+        *fleet_targets(results),
     ]
+
+
+def fleet_targets(results: dict[str, Any]) -> list[Target]:
+    """Issue 25's, under each runtime measured: what forwarding adds, and two nodes beside one."""
+    fleet = results.get("fleet") or {}
+    return [
+        target
+        for runtime, m in fleet.items()
+        for target in (
+            Target(
+                f"{runtime}: fleet, a forwarded session call adds at p50",
+                m["forwarded_call"]["added_p50_ms"],
+                "<=",
+                3.0,
+                "ms",
+            ),
+            Target(f"{runtime}: fleet, two nodes / one node at 8 callers", m["throughput"]["ratio"], ">=", 0.9, "x"),
+        )
+    ]
+
+
+def fleet_table(results: dict[str, Any]) -> str | None:
+    fleet = results.get("fleet")
+    if not fleet:
+        return None
+    rows = []
+    for runtime, m in fleet.items():
+        call, rates = m["forwarded_call"], m["throughput"]
+        rows.append(
+            [
+                runtime,
+                format_number(call["direct"]["p50"], "ms"),
+                format_number(call["forwarded"]["p50"], "ms"),
+                format_number(call["added_p50_ms"], "ms"),
+                format_number(rates["one_node_per_second"], "/s"),
+                format_number(rates["two_nodes_per_second"], "/s"),
+                format_number(rates["ratio"], "x"),
+            ]
+        )
+    return "Fleet: two nodes (network namespaces with their own engines) on this machine, one Redis\n" + table(
+        ["runtime", "session 1+1 via a", "via b (forwarded)", "added", "8 callers on a", "spread on a+b", "ratio"],
+        rows,
+    )
 
 
 def default_runtime_targets(results: dict[str, Any]) -> list[Target]:
@@ -288,11 +332,16 @@ def render(results: dict[str, Any]) -> str:
     cpu = cpu_tables(results)
     if cpu:
         parts.append(cpu)
+    fleet = fleet_table(results)
+    if fleet:
+        parts.append(fleet)
     rows = [
         [t.name, format_number(t.measured, t.unit), f"{t.comparison} {format_number(t.bound, t.unit)}", t.verdict]
         for t in targets(results)
     ]
-    parts.append("Targets (issues 8, 15, 17 and 18)\n" + table(["target", "measured", "target", "verdict"], rows))
+    parts.append(
+        "Targets (issues 8, 15, 17, 18, 24, 25 and 26)\n" + table(["target", "measured", "target", "verdict"], rows)
+    )
     return "\n\n".join(parts)
 
 

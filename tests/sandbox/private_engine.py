@@ -96,14 +96,14 @@ class PrivateEngine:
         """Copies `tag` from the shared engine (docker save | docker load, through the API)."""
         client = docker.DockerClient(base_url=self.url, version="1.41", timeout=120)
         try:
-            client.api.load_image(source.api.get_image(tag, chunk_size=1024 * 1024))
+            client.api.load_image(source.api.get_image(tag, chunk_size=1024 * 1024))  # type: ignore[no-untyped-call]
         finally:
             client.close()
 
     def containers(self) -> list[str]:
         client = docker.DockerClient(base_url=self.url, version="1.41", timeout=30)
         try:
-            return [c.id for c in client.containers.list(all=True, sparse=True)]
+            return [str(c.id) for c in client.containers.list(all=True, sparse=True)]
         finally:
             client.close()
 

@@ -37,6 +37,11 @@ log = logging.getLogger("metaagent")
 HEARTBEAT_S = 5.0  # how often a replica says it is alive
 LOST_AFTER_S = 20.0  # a replica silent this long is lost: its leases stop counting, its sessions answer 410
 PREFIX = "metaagent:"
+# A request for what another replica holds looks up where it is. A record never moves, so its place is
+# kept once read (the last PLACES_KEPT): one withdrawn since is answered by its replica (its own 404 or
+# 410). Which replicas live is read again after REPLICAS_FRESH_S.
+PLACES_KEPT = 10_000
+REPLICAS_FRESH_S = 1.0
 MAX_LOCAL_TOMBSTONES = 100_000
 
 Kind = Literal["execution", "session", "mcp"]
@@ -261,6 +266,8 @@ class RedisState:
         self._held = _Held()
         self._withdrawn: set[tuple[str, str]] = set()  # (hash key, field) whose removal Redis missed
         self._resync = False  # a record Redis missed: the next beat writes back everything held
+        self._places: OrderedDict[tuple[Kind, str], str] = OrderedDict()  # records found, as published
+        self._replicas: tuple[float, dict[str, Replica]] | None = None  # when read, and what was
         self.reachable = False
 
     async def _call(self, what: str, operation: Any) -> Any:
@@ -363,12 +370,18 @@ class RedisState:
 
     async def withdraw(self, kind: Kind, record_id: str) -> None:
         self._held.records[kind].pop(record_id, None)
+        self._places.pop((kind, record_id), None)
         await self._forget(f"{PREFIX}records:{kind}", record_id)
 
     async def place(self, kind: Kind, record_id: str) -> Placed | None:
-        raw = await self._call("finding a record", self._redis.hget(f"{PREFIX}records:{kind}", record_id))
+        raw = self._places.get((kind, record_id))
         if raw is None:
-            return None
+            raw = await self._call("finding a record", self._redis.hget(f"{PREFIX}records:{kind}", record_id))
+            if raw is None:
+                return None
+            self._places[(kind, record_id)] = raw
+            while len(self._places) > PLACES_KEPT:
+                self._places.popitem(last=False)
         return _placed(record_id, raw, await self.nodes())
 
     async def listing(self, kind: Kind) -> list[Placed]:
@@ -382,7 +395,10 @@ class RedisState:
         return {node_id: replica.url for node_id, replica in (await self.replicas()).items()}
 
     async def replicas(self) -> dict[str, Replica]:
-        """The live replicas, with the load each reported at its last beat."""
+        """The live replicas, with the load each reported at its last beat (read at most REPLICAS_FRESH_S ago)."""
+        now = time.monotonic()
+        if self._replicas is not None and now - self._replicas[0] < REPLICAS_FRESH_S:
+            return self._replicas[1]
 
         async def read() -> dict[str, Replica]:
             names = [name async for name in self._redis.scan_iter(match=f"{PREFIX}node:*", count=100)]
@@ -394,7 +410,9 @@ class RedisState:
                     found[name.removeprefix(f"{PREFIX}node:")] = Replica(record["url"], record.get("load") or {})
             return found
 
-        return dict(await self._call("listing the replicas", read()))
+        found = dict(await self._call("listing the replicas", read()))
+        self._replicas = (now, found)
+        return found
 
     async def bury(self, record_id: str, owner: str | None, reason: str, keep_s: float) -> None:
         value = json.dumps({"owner": owner, "reason": reason})
