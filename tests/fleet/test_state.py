@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -142,3 +143,43 @@ async def test_a_redis_that_forgot_everything_gets_it_back_from_the_replicas(
     refused = await b.acquire("sessions", "b2", "dave", per_key=1, total=2)
     assert (refused.refused, refused.total) == ("total", 2)
     assert await b.nodes() == {"a": "http://a.test", "b": "http://b.test"}
+
+
+async def test_an_admission_whose_answer_is_lost_gives_its_lease_back(replicas: Callable[..., RedisState]) -> None:
+    """The script took the lease, and then the answer never came (a timeout, a cancelled request): the
+    lease must not stay in Redis, held by nobody, for the life of the replica."""
+    state = replicas("a")
+    await state.start()
+    real_call = state._call
+
+    async def answer_lost(what: str, operation: Any) -> Any:
+        if what == "admission":
+            await operation  # it ran in Redis
+            raise SharedStateUnavailable("lost on the way back")
+        return await real_call(what, operation)
+
+    state._call = answer_lost  # type: ignore[method-assign]
+    with pytest.raises(SharedStateUnavailable):
+        await state.acquire("sessions", "lost", "alice", per_key=1, total=1)
+    state._call = real_call  # type: ignore[method-assign]
+    assert (await state.acquire("sessions", "next", "alice", per_key=1, total=1)).admitted
+
+
+async def test_a_lost_replicas_records_are_pruned_and_its_sessions_keep_their_410(
+    replicas: Callable[..., RedisState],
+) -> None:
+    dead, alive = replicas("dead", lost_after_s=0.5), replicas("alive")
+    await dead.start()
+    await alive.start()
+    await dead.publish("session", "ses_d", "alice", {})
+    await dead.publish("execution", "exe_d", "alice", {})
+    with anyio.fail_after(10):
+        while not (await alive.place("session", "ses_d")).lost:  # type: ignore[union-attr]  # noqa: ASYNC110 - another replica's view
+            await anyio.sleep(0.05)
+    await alive._prune_lost()
+    alive._places.clear()  # what another replica, which never looked, would find
+    assert await alive.place("session", "ses_d") is None
+    assert await alive.place("execution", "exe_d") is None
+    tombstone = await alive.tombstone("ses_d")
+    assert tombstone is not None
+    assert (tombstone.owner, tombstone.reason) == ("alice", "node_lost")

@@ -28,6 +28,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextvars import ContextVar
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import anyio
 import httpx2
@@ -56,6 +57,10 @@ _HOP_BY_HOP = frozenset(
      b"transfer-encoding", b"upgrade"}
 )  # fmt: skip
 _NOT_FORWARDED = _HOP_BY_HOP | {b"authorization", TOKEN_HEADER, CALLER_HEADER}
+
+
+class ReplicaUnreachable(Unavailable):
+    """Another replica could not be reached: nothing was sent, so the call may go elsewhere."""
 
 
 class _CallerHungUp(Exception):
@@ -100,7 +105,8 @@ class AcceptFleetRequests:
             await send_json_error(send, 400, "A forwarded request's caller header is not the fleet's JSON")
             return
         scope = {**scope, FORWARDED_SCOPE_KEY: True, CALLER_SCOPE_KEY: caller}
-        scope["user"] = AuthenticatedUser(AccessToken(token="", client_id=str(caller.key_id), scopes=[]))
+        if caller.key_id is not None:  # as RequireApiKey sets it: the MCP SDK ties a session to its key
+            scope["user"] = AuthenticatedUser(AccessToken(token="", client_id=caller.key_id, scopes=[]))
         handed = _serving_a_forward.set(True)
         try:
             with acting_as(caller):
@@ -114,8 +120,16 @@ class Forwarder:
 
     def __init__(self, token: str) -> None:
         self._token = token
-        # No read deadline: an SSE stream or a long call answers when it answers; connecting is bounded.
-        self.http = httpx2.AsyncClient(timeout=httpx2.Timeout(None, connect=5.0), follow_redirects=False)
+        # No read deadline: an SSE stream or a long call answers when it answers. Connecting, writing and
+        # waiting for a pooled connection are bounded. No connection cap of its own: every forward stands
+        # for a caller's connection, which METAAGENT_MAX_CONNECTIONS caps. Never a proxy from the
+        # environment: the fleet token and the caller's identity go to the other replica only.
+        self.http = httpx2.AsyncClient(
+            timeout=httpx2.Timeout(None, connect=5.0, write=30.0, pool=10.0),
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=64),
+            follow_redirects=False,
+            trust_env=False,
+        )
 
     def headers(self, caller: Caller, original: Iterable[tuple[bytes, bytes]] = ()) -> list[tuple[bytes, bytes]]:
         identity = json.dumps({"key_id": caller.key_id, "operator": caller.operator}).encode()
@@ -129,10 +143,16 @@ class Forwarder:
         if query:
             url += "?" + query.decode("latin-1")
         has_body = _header(scope, b"content-length") not in (None, b"0") or _header(scope, b"transfer-encoding")
-        request = self.http.build_request(
-            scope["method"], url, headers=self.headers(caller, scope["headers"]),
-            content=_body(receive) if has_body else None,
-        )  # fmt: skip
+        try:
+            request = self.http.build_request(
+                scope["method"], url, headers=self.headers(caller, scope["headers"]),
+                content=_body(receive) if has_body else None,
+            )  # fmt: skip
+        except httpx2.InvalidURL:
+            await send_json_error(
+                send, 400, "This request's path cannot be forwarded as written: send it percent-encoded"
+            )
+            return
         try:
             response = await self.http.send(request, stream=True)
         except _CallerHungUp:
@@ -207,6 +227,9 @@ class RouteToOwner:
         if state.holds(kind, record_id):
             await self.app(scope, receive, send)
             return
+        if _has_dot_segments(scope):  # a URL client would resolve them: the forward would reach another route
+            await send_json_error(send, 400, "A path with . or .. segments is refused: name the resource directly")
+            return
         caller = caller_of_scope(scope)
         try:
             placed = await state.place(kind, record_id)
@@ -237,6 +260,12 @@ def _publishing_mcp_session(state: SharedState, caller: Caller, send: Send) -> S
         await send(message)
 
     return publishing
+
+
+def _has_dot_segments(scope: Scope) -> bool:
+    raw = bytes(scope.get("raw_path") or scope["path"].encode())
+    segments = {unquote_to_bytes(segment) for segment in raw.split(b"/")}
+    return bool(segments & {b".", b".."})
 
 
 def _named(scope: Scope) -> tuple[Kind, str] | None:
@@ -311,8 +340,8 @@ class Peers:
         for replica in others:
             try:
                 return await self.call_tool(replica.url, tool, request, caller, sink)
-            except (AtCapacity, Unavailable):
-                continue  # it filled up since its last beat, or it cannot be reached now: the next one
+            except (AtCapacity, ReplicaUnreachable):
+                continue  # it filled up since its last beat, or it was not reached (nothing ran): the next one
         raise full
 
     async def session_home(self, open_here: int, session_max: int) -> str | None:
@@ -378,10 +407,15 @@ class Peers:
                         return Relayed.model_validate(data)
                     elif event.event == "error":
                         raise service_error_of(data.pop("status", 502), data)
-        except httpx2.TransportError as exc:
+        except (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout) as exc:  # nothing was sent
             log.warning("fleet: the replica at %s could not be reached: %s", node_url, type(exc).__name__)
-            raise Unavailable(
+            raise ReplicaUnreachable(
                 "The replica that holds this session cannot be reached right now; retry in a few seconds"
+            ) from None
+        except httpx2.TransportError as exc:  # it may have run: never run it again elsewhere
+            log.warning("fleet: the replica at %s broke off its answer: %s", node_url, type(exc).__name__)
+            raise UpstreamError(
+                "The replica that ran this call broke off its answer; the call may have run (check before retrying)"
             ) from None
         raise UpstreamError("The replica that holds this session ended its answer without a result")
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+import anyio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -39,9 +40,13 @@ LOST_AFTER_S = 20.0  # a replica silent this long is lost: its leases stop count
 PREFIX = "metaagent:"
 # A request for what another replica holds looks up where it is. A record never moves, so its place is
 # kept once read (the last PLACES_KEPT): one withdrawn since is answered by its replica (its own 404 or
-# 410). Which replicas live is read again after REPLICAS_FRESH_S.
+# 410), and one whose replica is gone is read again. Which replicas live is read again after
+# REPLICAS_FRESH_S.
 PLACES_KEPT = 10_000
 REPLICAS_FRESH_S = 1.0
+# Every this many beats a replica removes lost replicas' records; a lost session's 410 is kept this long.
+PRUNE_EVERY_BEATS = 12
+LOST_SESSION_KEEP_S = 2 * 3600
 MAX_LOCAL_TOMBSTONES = 100_000
 
 Kind = Literal["execution", "session", "mcp"]
@@ -266,6 +271,7 @@ class RedisState:
         self._held = _Held()
         self._withdrawn: set[tuple[str, str]] = set()  # (hash key, field) whose removal Redis missed
         self._resync = False  # a record Redis missed: the next beat writes back everything held
+        self._beats = 0
         self._places: OrderedDict[tuple[Kind, str], str] = OrderedDict()  # records found, as published
         self._replicas: tuple[float, dict[str, Replica]] | None = None  # when read, and what was
         self.reachable = False
@@ -305,10 +311,31 @@ class RedisState:
             await self._rejoin()
         if self._withdrawn:
             pending, self._withdrawn = self._withdrawn, set()
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for name, field in pending:
-                    pipe.hdel(name, field)
-                await self._call("a withdrawal", pipe.execute())
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for name, field in pending:
+                        pipe.hdel(name, field)
+                    await self._call("a withdrawal", pipe.execute())
+            except SharedStateUnavailable:
+                self._withdrawn |= pending  # the next beat tries again
+                raise
+        self._beats += 1
+        if self._beats % PRUNE_EVERY_BEATS == 0:
+            await self._prune_lost()
+
+    async def _prune_lost(self) -> None:
+        """Removes the records of lost replicas (a crash leaves them); a session's becomes a tombstone, so
+        that it still answers 410 `node_lost`. Any replica may do it, and two at once do no harm."""
+        live = await self.nodes()
+        for kind in ("execution", "session", "mcp"):
+            found = await self._call("pruning", self._redis.hgetall(f"{PREFIX}records:{kind}"))
+            for record_id, raw in found.items():
+                placed = _placed(record_id, raw, live)
+                if not placed.lost:
+                    continue
+                if kind == "session":
+                    await self.bury(record_id, placed.owner, "node_lost", keep_s=LOST_SESSION_KEEP_S)
+                await self._call("pruning", self._redis.hdel(f"{PREFIX}records:{kind}", record_id))
 
     async def _rejoin(self) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -325,20 +352,25 @@ class RedisState:
     async def acquire(
         self, pool: Pool, lease: str, key: str | None, *, per_key: int | None, total: int | None
     ) -> Admission:
-        admitted, mine, total_held, refused = await self._call(
-            "admission",
-            self._acquire(
-                keys=[f"{PREFIX}leases:{pool}"],
-                args=[
-                    f"{PREFIX}node:",
-                    self.node_id,
-                    lease,
-                    key or "",
-                    -1 if per_key is None else per_key,
-                    -1 if total is None else total,
-                ],
-            ),
-        )
+        try:
+            admitted, mine, total_held, refused = await self._call(
+                "admission",
+                self._acquire(
+                    keys=[f"{PREFIX}leases:{pool}"],
+                    args=[
+                        f"{PREFIX}node:",
+                        self.node_id,
+                        lease,
+                        key or "",
+                        -1 if per_key is None else per_key,
+                        -1 if total is None else total,
+                    ],
+                ),
+            )
+        except BaseException:  # cancelled or timed out, perhaps after the script took the lease: give it back
+            with anyio.CancelScope(shield=True):
+                await self._forget(f"{PREFIX}leases:{pool}", lease)
+            raise
         if admitted:
             self._held.leases[pool][lease] = key or ""
             return Admission(True, int(mine), int(total_held))
@@ -374,14 +406,18 @@ class RedisState:
         await self._forget(f"{PREFIX}records:{kind}", record_id)
 
     async def place(self, kind: Kind, record_id: str) -> Placed | None:
-        raw = self._places.get((kind, record_id))
+        cached = self._places.get((kind, record_id))
+        if cached is not None:
+            placed = _placed(record_id, cached, await self.nodes())
+            if not placed.lost:
+                return placed
+            del self._places[(kind, record_id)]  # its replica went: what Redis says now (withdrawn, or lost)
+        raw = await self._call("finding a record", self._redis.hget(f"{PREFIX}records:{kind}", record_id))
         if raw is None:
-            raw = await self._call("finding a record", self._redis.hget(f"{PREFIX}records:{kind}", record_id))
-            if raw is None:
-                return None
-            self._places[(kind, record_id)] = raw
-            while len(self._places) > PLACES_KEPT:
-                self._places.popitem(last=False)
+            return None
+        self._places[(kind, record_id)] = raw
+        while len(self._places) > PLACES_KEPT:
+            self._places.popitem(last=False)
         return _placed(record_id, raw, await self.nodes())
 
     async def listing(self, kind: Kind) -> list[Placed]:
