@@ -309,6 +309,7 @@ def test_redis_stopped_and_started_under_load_loses_nothing_accepted_and_a_node_
             nodes.redis.stop()
             time.sleep(3.0)
             during = call(b, "POST", "/sessions", key=BOB, json={})
+            health = call(b, "GET", "/health", key=OPERATOR).json()
             nodes.redis.start()
             time.sleep(2.0)
             stop.set()
@@ -320,6 +321,7 @@ def test_redis_stopped_and_started_under_load_loses_nothing_accepted_and_a_node_
         assert slow_answer.json()["stdout"] == "finished\n"
         assert during.status_code == 503, during.text
         assert "Redis" in during.json()["error"]
+        assert (health["status"], health["checks"]["fleet"]["ok"]) == ("degraded", False), health
         statuses = {status for _, r in answers if (status := r.status_code) != 200}
         assert statuses <= {503}, [r.text for _, r in answers if r.status_code not in (200, 503)]
         for n, answer in answers:  # every call that was accepted ran, and answered its own output
