@@ -14,8 +14,13 @@ Two ASGI middlewares, and the client that forwards:
   method, path, query, headers (the caller's own Host and Origin, which passed the same checks here, but
   not its API key) and body, streamed in both directions in the chunks they arrive in, so an SSE stream
   or a file body of any size passes through without being held. A session whose replica is lost answers
-  410 `node_lost`; one that ended on another replica answers its 410 from the shared tombstone.
-- `Peers` asks the other live replicas for their part of a listing (`GET /sessions`, `GET /executions`).
+  410 `node_lost`; one that ended on another replica answers its 410 from the shared tombstone. A path
+  with `.` or `..` segments is refused before it is forwarded (a URL client would resolve them into
+  another route there).
+- `Peers`, the other live replicas: asked for their part of a listing (`GET /sessions`, `GET
+  /executions`), sent a tool call that names a session one of them holds (`call_tool`), handed a call this
+  replica has no room for (`hand_over`), and chosen for a new session past this one's share
+  (`session_home`).
 """
 
 from __future__ import annotations
@@ -37,12 +42,12 @@ from mcp.server.auth.provider import AccessToken
 from pydantic import BaseModel, ConfigDict
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metaagent.access import CALLER_SCOPE_KEY, FORWARDED_SCOPE_KEY, acting_as, caller_of
+from metaagent.access import CALLER_SCOPE_KEY, FORWARDED_SCOPE_KEY, acting_as
 from metaagent.asgi import send_json_error
 from metaagent.errors import AtCapacity, Gone, MetaAgentError, ServiceError, Unavailable, UpstreamError
 from metaagent.fleet.state import Kind, Replica, SharedState, SharedStateUnavailable
 from metaagent.sandbox.output import OutputSink, Stream
-from metaagent.tenancy import Caller, may_access
+from metaagent.tenancy import LOCAL, Caller, may_access
 
 log = logging.getLogger("metaagent")
 
@@ -195,12 +200,9 @@ def forwarded(request: Any) -> bool:
 
 
 def caller_of_scope(scope: Scope) -> Caller:
-    return caller_of(_ScopeHolder(scope))
-
-
-class _ScopeHolder:
-    def __init__(self, scope: Scope) -> None:
-        self.scope = scope
+    """The caller the key check (or a forward's header) put in the scope; the local caller without keys."""
+    caller = scope.get(CALLER_SCOPE_KEY)
+    return caller if isinstance(caller, Caller) else LOCAL
 
 
 class RouteToOwner:
