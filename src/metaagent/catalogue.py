@@ -64,21 +64,21 @@ async def _run_code(
         svc.sessions.check_own_values(request.session_id, request.session_values(), current_tenant())
         call = SessionExecuteRequest(code=request.code, timeout_s=request.timeout_s)
         return await svc.sessions.execute(request.session_id, call, current_tenant(), sink)
-    return await metrics.observe_execution(_execute_as_caller(svc, request, sink))
+    try:
+        return await metrics.observe_execution(_execute_as_caller(svc, request, sink))  # "rejected" if full here
+    except ReplicaFull as full:  # in a fleet, another replica with room runs it (its place taken there)
+        if svc.peers is None:
+            raise
+        # The other replica's answer, every field of it; that replica's metrics count how it ended.
+        return await svc.peers.hand_over("code_interpreter", request, current_tenant(), sink, full)  # type: ignore[return-value]
 
 
 async def _execute_as_caller(
     svc: Services, request: CodeInterpreterRequest, sink: OutputSink | None
 ) -> CodeInterpreterResponse:
     caller = current_caller()  # the API key's id, set by the access check
-    try:
-        async with svc.execution_quota.hold(caller):
-            return await svc.interpreter(request, caller=caller, sink=sink)
-    except ReplicaFull as full:  # in a fleet, another replica with room runs it (its own place taken there)
-        if svc.peers is None:
-            raise
-        # The other replica's answer, every field of it.
-        return await svc.peers.hand_over("code_interpreter", request, current_tenant(), sink, full)  # type: ignore[return-value]
+    async with svc.execution_quota.hold(caller):
+        return await svc.interpreter(request, caller=caller, sink=sink)
 
 
 async def open_session(svc: Services, request: SessionCreateRequest) -> SessionRecord:
