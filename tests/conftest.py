@@ -141,16 +141,40 @@ def service(tmp_path: Path) -> ServiceFactory:
 _skipped_docker_tests: list[str] = []
 
 
+# And every test collected must have run: a scheduler that loses some (a run once counted 2,209 passed of
+# 2,231 collected, with nothing else said) fails the run instead of passing it.
+_collected: set[str] = set()
+_finished: set[str] = set()
+
+
+def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
+    _collected.update(ids)  # on the controller, each worker's list (they are the same)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _collected.update(item.nodeid for item in session.items)  # without xdist, or on a worker
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     needs = {"docker", "redis"} & set(report.keywords)
     if report.skipped and needs and os.environ.get("METAAGENT_REQUIRE_DOCKER") == "1":
         _skipped_docker_tests.append(report.nodeid)
+    if report.when == "teardown":
+        _finished.add(report.nodeid)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput"):
+        return  # a worker: the controller sees every worker's reports
     if _skipped_docker_tests:
         print(f"\n{len(_skipped_docker_tests)} Docker or Redis test(s) were skipped, which CI does not allow:")
         for nodeid in _skipped_docker_tests:
+            print(f"  {nodeid}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    never_ran = sorted(_collected - _finished)
+    if never_ran and not session.shouldstop and not session.shouldfail and exitstatus != pytest.ExitCode.INTERRUPTED:
+        print(f"\n{len(never_ran)} collected test(s) never ran:")
+        for nodeid in never_ran[:50]:
             print(f"  {nodeid}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

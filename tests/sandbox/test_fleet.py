@@ -28,7 +28,7 @@ from tests.fleet_nodes import Node, fleet_nodes
 from tests.sandbox.test_tenancy import KEYS, LONG_RUN, OPERATOR
 from tests.test_access import ALICE, BOB
 
-pytestmark = [pytest.mark.docker, pytest.mark.redis, pytest.mark.slow, pytest.mark.xdist_group("fleet")]
+pytestmark = [pytest.mark.docker, pytest.mark.redis, pytest.mark.slow]
 
 SMALL_POOL = {"METAAGENT_POOL_SIZE": "1"}  # several services on two cores beside the other tests
 
