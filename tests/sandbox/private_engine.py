@@ -8,6 +8,7 @@ and cgroup parent, no bridge and no iptables rules: nothing it does touches the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -93,10 +94,22 @@ class PrivateEngine:
             client.close()
 
     def load_image(self, source: docker.DockerClient, tag: str) -> None:
-        """Copies `tag` from the shared engine (docker save | docker load, through the API)."""
+        """Copies `tag` from the shared engine (docker save | docker load, through the API). The export is
+        kept in a file per image id and reused: every private engine of the run (the fleet tests start
+        several at once) loads that file, and the shared engine, which every other test uses at the
+        same time, exports each image once."""
+        image_id = str(source.images.get(tag).id).removeprefix("sha256:")
+        archive = Path(tempfile.gettempdir()) / f"metaagent-test-image-{image_id[:32]}.tar"
+        if not archive.exists():
+            partial = archive.with_suffix(f".{os.getpid()}.{time.monotonic_ns()}.part")
+            with partial.open("wb") as out:
+                for chunk in source.api.get_image(tag, chunk_size=1024 * 1024):
+                    out.write(chunk)
+            partial.replace(archive)  # whole or not at all, whichever worker wrote it first
         client = docker.DockerClient(base_url=self.url, version="1.41", timeout=120)
         try:
-            client.api.load_image(source.api.get_image(tag, chunk_size=1024 * 1024))  # type: ignore[no-untyped-call]
+            with archive.open("rb") as data:
+                client.api.load_image(data)  # type: ignore[no-untyped-call]
         finally:
             client.close()
 
