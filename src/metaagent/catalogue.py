@@ -45,7 +45,7 @@ def _in_its_session(tool: str, call: Callable[..., Awaitable[BaseModel]]) -> Cal
     async def routed(svc: Services, request: BaseModel, sink: OutputSink | None = None) -> BaseModel:
         session_id = getattr(request, "session_id", None)
         if session_id is not None and svc.peers is not None:
-            node_url = await svc.peers.session_node(session_id, current_tenant())
+            node_url = await svc.peers.owner_of("session", session_id, current_tenant())
             if node_url is not None:
                 return await svc.peers.call_tool(node_url, tool, request, current_tenant(), sink)
         return await (call(svc, request, sink) if sink is not None else call(svc, request))

@@ -232,21 +232,16 @@ class RouteToOwner:
         if _has_dot_segments(scope):  # a URL client would resolve them: the forward would reach another route
             await send_json_error(send, 400, "A path with . or .. segments is refused: name the resource directly")
             return
-        caller = caller_of_scope(scope)
         try:
-            placed = await state.place(kind, record_id)
-            tombstone = await state.tombstone(record_id) if placed is None and kind == "session" else None
+            node_url = await peers.owner_of(kind, record_id, caller_of_scope(scope))
         except SharedStateUnavailable as exc:
             await send_json_error(send, 503, exc.message)
             return
-        if placed is not None and placed.node_url is not None and placed.node_id != state.node_id:
-            await peers.forwarder.forward(placed.node_url, scope, receive, send)
+        except Gone as gone:
+            await _send_gone(send, gone)
             return
-        if kind == "session" and placed is not None and placed.lost and may_access(caller, placed.owner):
-            await _send_gone(send, record_id, "node_lost")
-            return
-        if tombstone is not None and may_access(caller, tombstone.owner):
-            await _send_gone(send, record_id, tombstone.reason)
+        if node_url is not None:
+            await peers.forwarder.forward(node_url, scope, receive, send)
             return
         await self.app(scope, receive, send)  # not the fleet's to answer: this replica's 404 (or its own 410)
 
@@ -281,12 +276,12 @@ def _named(scope: Scope) -> tuple[Kind, str] | None:
     return None
 
 
-async def _send_gone(send: Send, session_id: str, reason: str) -> None:
-    body = json.dumps({"error": f"Session {session_id} has ended: {reason}", "reason": reason}).encode()
+async def _send_gone(send: Send, gone: Gone) -> None:
+    body = json.dumps(gone.body()).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": 410,
+            "status": gone.status_code,
             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
         }
     )
@@ -364,20 +359,22 @@ class Peers:
         fewest = min(others, default=None)
         return fewest[1] if fewest is not None and fewest[0] < open_here else None
 
-    async def session_node(self, session_id: str, caller: Caller) -> str | None:
-        """The URL of the other replica that holds `session_id`, for a tool call that names it; None when
-        this replica is the one to answer (it holds it, or nobody does: its own 404). A lost replica's
-        session, or one that ended elsewhere, is its 410 (to a caller who may know of it)."""
-        if self.state.holds("session", session_id):
+    async def owner_of(self, kind: Kind, record_id: str, caller: Caller) -> str | None:
+        """The URL of the other replica that holds the record, for a request or a tool call that names it;
+        None when this replica is the one to answer (it holds it, or nobody does: its own 404). A session
+        of a lost replica, or one that ended elsewhere, is its 410 (`Gone`, to a caller who may know of it)."""
+        if self.state.holds(kind, record_id):
             return None
-        placed = await self.state.place("session", session_id)
+        placed = await self.state.place(kind, record_id)
         if placed is not None and placed.node_url is not None and placed.node_id != self.state.node_id:
             return placed.node_url
+        if kind != "session":
+            return None
         if placed is not None and placed.lost and may_access(caller, placed.owner):
-            raise Gone(f"Session {session_id} has ended: node_lost", reason="node_lost")
-        tombstone = await self.state.tombstone(session_id) if placed is None else None
+            raise Gone(f"Session {record_id} has ended: node_lost", reason="node_lost")
+        tombstone = await self.state.tombstone(record_id) if placed is None else None
         if tombstone is not None and may_access(caller, tombstone.owner):
-            raise Gone(f"Session {session_id} has ended: {tombstone.reason}", reason=tombstone.reason)
+            raise Gone(f"Session {record_id} has ended: {tombstone.reason}", reason=tombstone.reason)
         return None
 
     async def call_tool(
