@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from metaagent.errors import NotFound
 from metaagent.fleet.state import LocalState, SharedState
+from metaagent.latch import Latch
 
 State = Literal["starting", "running", "stopping"]
 
@@ -50,7 +51,7 @@ class Execution:
     session_id: str | None = None  # a call into a session
     state: State = "starting"
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
-    kill_requested: anyio.Event = field(default_factory=anyio.Event)
+    kill_requested: Latch = field(default_factory=Latch)
 
     def info(self) -> ExecutionInfo:
         return ExecutionInfo(

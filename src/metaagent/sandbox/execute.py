@@ -20,6 +20,7 @@ import anyio.lowlevel
 
 from metaagent.errors import sole_error
 from metaagent.executions import Execution
+from metaagent.latch import Latch, first_of
 from metaagent.sandbox.engine import ContainerSpec, Engine, sock_recv, sock_sendall
 from metaagent.sandbox.output import CappedBuffer, Demultiplexer, OutputSink
 
@@ -90,18 +91,6 @@ def session_payload(egress: RunnerEgress | None = None) -> bytes:
     """What makes a started runner a session's: its header (and extra CAs); requests follow (session_wire)."""
     header, extra_ca = _header({"session": True}, egress)
     return header + extra_ca
-
-
-async def first_of(*events: anyio.Event) -> None:
-    """Returns as soon as any of the events is set."""
-    async with anyio.create_task_group() as group:
-
-        async def wait_for(event: anyio.Event) -> None:
-            await event.wait()
-            group.cancel_scope.cancel()
-
-        for event in events:
-            group.start_soon(wait_for, event)
 
 
 # Takes a container whose program has ended, to remove it in the background; False when it cannot.
@@ -256,7 +245,7 @@ async def _run(
     container_id, sock, output = prepared.container_id, prepared.sock, prepared.output
     if sink is not None:
         output.listen(sink.output)
-    exited, settled, drained, told = anyio.Event(), anyio.Event(), anyio.Event(), anyio.Event()
+    exited, settled, drained, told = Latch(), Latch(), Latch(), Latch()
     status: list[int] = []
     if not prepared.started:
         await engine.start(container_id)

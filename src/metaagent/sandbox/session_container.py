@@ -35,9 +35,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from metaagent.errors import sole_error
 from metaagent.executions import Execution
+from metaagent.latch import Latch, first_of
 from metaagent.sandbox import session_wire as wire
 from metaagent.sandbox.engine import Engine, EngineUnavailable
-from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Prepared, first_of
+from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Prepared
 from metaagent.sandbox.figures import NO_FIGURES, Figures, checked_figures
 from metaagent.sandbox.output import CappedBuffer, OutputListener, OutputSink, Stream
 
@@ -117,7 +118,7 @@ class Download:
 
 class _Pending:
     def __init__(self) -> None:
-        self.done = anyio.Event()
+        self.done = Latch()
         self.message: dict[str, Any] = {}
         self.listed: list[Any] = []  # the pieces of a listing that came so far (`more: true`)
 
@@ -129,7 +130,7 @@ class _Pending:
 class _DownloadStream:
     def __init__(self, request_id: int) -> None:
         self.id = request_id
-        self.begun = anyio.Event()
+        self.begun = Latch()
         self.size = 0
         self.modified_at = ""
         self.received = 0
@@ -138,7 +139,7 @@ class _DownloadStream:
         self.send, self.receive = anyio.create_memory_object_stream[bytes | None](_DOWNLOAD_BUFFER_FRAMES)
         self.abandoned = False
         self.cut = anyio.Event()
-        self.finished = anyio.Event()  # the file's last frame came: the wire carries no more of it
+        self.finished = Latch()  # the file's last frame came: the wire carries no more of it
 
     def end(self) -> None:
         """No more bytes: the reader drops what comes (a send it waits in returns at once) and the
@@ -169,7 +170,7 @@ class SessionContainer:
         # the program) ends the session.
         self.file_timeout_s = file_timeout_s
         self.container_id = prepared.container_id
-        self.ended = anyio.Event()
+        self.ended = Latch()
         self.end_reason: str | None = None
         self.exit_code: int | None = None
         self.oom_killed = False
@@ -381,6 +382,19 @@ class SessionContainer:
         registered on a descriptor that is closed, and then reused by another caller's connection."""
         if self.ended.is_set():
             raise SessionGone(self.end_reason or "exited")
+        # What the socket takes at once needs no guard (nothing waits, so nothing is left registered):
+        # a request nearly always fits, and the guard costs more than the container's whole answer. No
+        # checkpoint after it either: a cancellation there would leave sent code unaccounted for.
+        try:
+            taken = self.prepared.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            taken = 0
+        except OSError:
+            await self.kill("exited")
+            raise SessionGone(self.end_reason or "exited") from None
+        if taken == len(data):
+            return
+        data = data[taken:]
         sent = False
         async with anyio.create_task_group() as group:
 

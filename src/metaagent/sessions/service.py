@@ -44,7 +44,8 @@ from metaagent.errors import (
 from metaagent.executions import Execution, ExecutionRegistry, new_execution_id
 from metaagent.languages import code_fields
 from metaagent.languages.container import container_spec
-from metaagent.sandbox.execute import STDOUT_CAP, first_of, prepare, session_payload, wait_ready
+from metaagent.latch import Latch, first_of
+from metaagent.sandbox.execute import STDOUT_CAP, prepare, session_payload, wait_ready
 from metaagent.sandbox.output import OutputSink
 from metaagent.sandbox.session_container import (
     MAX_LISTED,
@@ -114,8 +115,8 @@ class Session:
     # Not a Lock: a download holds it from the request's task to its response's.
     turn: anyio.Semaphore = field(default_factory=lambda: anyio.Semaphore(1))
     resources: AsyncExitStack = field(default_factory=AsyncExitStack)
-    retired: anyio.Event = field(default_factory=anyio.Event)
-    unremoved: anyio.Event = field(default_factory=anyio.Event)  # ended, and the engine did not confirm the removal
+    retired: Latch = field(default_factory=Latch)
+    unremoved: Latch = field(default_factory=Latch)  # ended, and the engine did not confirm the removal
     container_path: str = "cold"
     security: dict[str, Any] = field(default_factory=dict)  # the container's, as its audit record gives it
 
