@@ -65,7 +65,8 @@ def test_listing_a_workspace_of_ten_thousand_long_paths_leaves_every_caller_serv
     # The issue's bar is /health within 100 ms throughout; as generous ratios to the quiet latency, so that
     # a busy machine's own pauses pass (one listing held every probe for 1.3-2.8 s before).
     assert statistics.median(during) < 25 * quiet, (quiet, sorted(during)[-5:])
-    assert max(during) < 250 * quiet, (quiet, sorted(during)[-5:])
+    # A floor of 1 s: a loaded machine alone can stall one probe that long; the bug held every probe 1.3-8 s.
+    assert max(during) < max(250 * quiet, 1.0), (quiet, sorted(during)[-5:])
 
 
 # Call 1 replaces Buffer.prototype.toString, which the program's own request loop (session.js, in the same
@@ -131,29 +132,50 @@ def test_output_written_a_byte_at_a_time_costs_the_service_no_more_than_the_same
     assert per_tiny < 10 * per_bulk, (per_tiny, per_bulk, tiny["duration_ms"])
 
 
-# A file of 20 MiB that the program truncates, removes and replaces by a folder from a timer, while a
-# download of it (its Content-Length already sent) is under way.
-# Run in the session's container by `docker exec`, once the download is under way: the file shrinks
-# while the supervisor reads it, whatever the machine's load (a timer in the session raced the download).
+# Scripts run by `docker exec` in a session's container, on a file of its workspace that the session
+# made: the test acts at the moment it chooses (once a download is under way, say), which a timer in the
+# session could only guess, whatever the machine's load. Exit 3: no such file in this container.
 SHRINK = """
 const fs = require('fs');
 const name = process.argv[1];
 if (!fs.existsSync(name)) process.exit(3);
 fs.truncateSync(name, 0); fs.unlinkSync(name); fs.mkdirSync(name);
 """
+SIGNAL_THE_NAMED_PROCESS = """
+const fs = require('fs');
+const [name, signal] = process.argv.slice(1);
+if (!fs.existsSync(name)) process.exit(3);
+process.kill(Number(fs.readFileSync(name, 'utf8')), signal);
+"""
 
 
-def _shrink_in_its_container(client: docker.DockerClient, service: Service, name: str) -> None:
-    """Shrinks /workspace/`name` in whichever of the service's running containers has it (a session's
-    container may have come from the warm pool, so no label names its session)."""
-    shrunk = 0
+def _in_the_container_with(client: docker.DockerClient, service: Service, name: str, script: str, *args: str) -> None:
+    """Runs node's `script` on /workspace/`name` (and `args`) in whichever of the service's running containers
+    has that file: a session's container may have come from the warm pool, so no label names its session."""
+    done = 0
     for container_id in owned_containers(client, service.pid):
         container = client.containers.get(container_id)
         if container.status != "running":
             continue
-        exit_code, _ = container.exec_run(["/usr/bin/node", "-e", SHRINK, name], user="1001", workdir="/workspace")
-        shrunk += exit_code == 0
-    assert shrunk == 1, f"{name} was shrunk in {shrunk} containers"
+        command = ["/usr/bin/node", "-e", script, name, *args]
+        exit_code, output = container.exec_run(command, user="1001", workdir="/workspace")
+        assert exit_code in (0, 3), output
+        done += exit_code == 0
+    assert done == 1, f"{script!r} ran on {name} in {done} containers"
+
+
+def _name_the_supervisor(sessions: Sessions, session_id: str) -> str:
+    """The workspace file in which the session's program wrote its supervisor's pid (its parent's)."""
+    named = f"supervisor-{session_id}.pid"
+    answer = sessions.run(session_id, f"require('fs').writeFileSync({named!r}, String(process.ppid)); 'named'")
+    assert answer["result"] == "'named'"
+    return named
+
+
+def _stop_the_supervisor(sessions: Sessions, client: docker.DockerClient, session_id: str) -> None:
+    """SIGSTOP to the session's supervisor, from outside, before this returns."""
+    named = _name_the_supervisor(sessions, session_id)
+    _in_the_container_with(client, sessions.service, named, SIGNAL_THE_NAMED_PROCESS, "SIGSTOP")
 
 
 def test_a_file_that_shrinks_during_its_download_ends_the_download_without_a_traceback(
@@ -172,7 +194,7 @@ def test_a_file_that_shrinks_during_its_download_ends_the_download_without_a_tra
         assert response.headers["content-length"] == str(size)
         chunks = response.iter_raw(65536)
         received += len(next(chunks))  # the supervisor is reading; it stalls once the buffers are full
-        _shrink_in_its_container(docker_client, sessions.service, name)
+        _in_the_container_with(docker_client, sessions.service, name, SHRINK)
         try:
             for chunk in chunks:
                 received += len(chunk)
@@ -239,18 +261,14 @@ def quick_sessions(quick_file_timeout: Service) -> Iterator[Sessions]:
 
 
 # The program stops its supervisor (same uid: process.kill(process.ppid, 'SIGSTOP')) from a timer.
-STOP_THE_SUPERVISOR = "setTimeout(() => process.kill(process.ppid, 'SIGSTOP'), 300); 'armed'"
-
-
 def test_an_upload_into_a_session_whose_supervisor_stopped_answers_within_the_file_timeout(
-    quick_sessions: Sessions,
+    quick_sessions: Sessions, docker_client: docker.DockerClient
 ) -> None:
     """The file timeout covers only the start of an answer: a PUT whose bytes the (stopped) supervisor never
     takes waits in sock_sendall forever. The request never answers, the session stays `busy` (so the idle
     reaper never ends it) until its lifetime cap, and the client's disconnect is not seen."""
     sid = quick_sessions.create()
-    assert quick_sessions.run(sid, STOP_THE_SUPERVISOR)["result"] == "'armed'"
-    time.sleep(1)
+    _stop_the_supervisor(quick_sessions, docker_client, sid)
 
     def body() -> Iterator[bytes]:
         for _ in range(200):
@@ -266,35 +284,37 @@ def test_an_upload_into_a_session_whose_supervisor_stopped_answers_within_the_fi
 
 
 def test_a_download_from_a_session_whose_supervisor_stopped_ends_within_the_file_timeout(
-    quick_sessions: Sessions,
+    quick_sessions: Sessions, docker_client: docker.DockerClient
 ) -> None:
     """Once the `f` header came, a download waits for the supervisor's next frame without a deadline: a
     program that stops its supervisor mid-file leaves the response open, sending nothing, until the
     session's lifetime cap."""
     sid = quick_sessions.create()
-    made = quick_sessions.run(
-        sid,
-        "require('fs').writeFileSync('big', Buffer.alloc(20 * 1024 * 1024, 97));"
-        "setTimeout(() => process.kill(process.ppid, 'SIGSTOP'), 1000); 'armed'",
-    )
-    assert made["result"] == "'armed'"
+    size = 20 * 1024 * 1024  # far more than the pipes and socket buffers between supervisor and client hold
+    quick_sessions.run(sid, f"require('fs').writeFileSync('big', Buffer.alloc({size}, 97)); 1")
+    named = _name_the_supervisor(quick_sessions, sid)  # no call runs while the download holds the session
     url = f"{quick_sessions.service.base_url}/sessions/{sid}/files/big"
     ended = False
+    received = 0
     try:
         with httpx2.stream("GET", url, timeout=20 * FILE_TIMEOUT_S) as response:
             assert response.status_code == 200
-            for _ in response.iter_raw(65536):
-                time.sleep(0.05)  # slower than the supervisor: it is mid-file when it stops
+            chunks = response.iter_raw(65536)
+            received += len(next(chunks))  # the supervisor is mid-file: it stalls once the buffers are full
+            _in_the_container_with(docker_client, quick_sessions.service, named, SIGNAL_THE_NAMED_PROCESS, "SIGSTOP")
+            for chunk in chunks:
+                received += len(chunk)
         ended = True
     except httpx2.RemoteProtocolError:
         ended = True  # cut: the session ended
     except httpx2.TimeoutException:
         ended = False
     assert ended
+    assert received < size
 
 
 def test_ending_a_session_with_a_stalled_upload_leaves_the_next_callers_connection_served(
-    sessions: Sessions,
+    sessions: Sessions, docker_client: docker.DockerClient
 ) -> None:
     """A program stops its supervisor; its caller starts a PUT (which stalls in the service's sock_sendall,
     its writer registered with the event loop), hangs up, and closes the session. The session's attach
@@ -318,8 +338,7 @@ def test_ending_a_session_with_a_stalled_upload_leaves_the_next_callers_connecti
     outcomes: list[int | str] = []
     for _ in range(3):  # the freed number is not always the next one taken: a few rounds
         sid = sessions.create()
-        assert sessions.run(sid, STOP_THE_SUPERVISOR)["result"] == "'armed'"
-        time.sleep(1)
+        _stop_the_supervisor(sessions, docker_client, sid)
         with pytest.raises(httpx2.TimeoutException):
             httpx2.put(f"{base_url}/sessions/{sid}/files/up", content=body(), timeout=5)
         assert sessions.close(sid).status_code == 200
@@ -328,13 +347,14 @@ def test_ending_a_session_with_a_stalled_upload_leaves_the_next_callers_connecti
     assert outcomes == [200] * 60
 
 
-def test_a_large_call_to_a_session_whose_supervisor_stopped_answers_within_its_timeout(sessions: Sessions) -> None:
+def test_a_large_call_to_a_session_whose_supervisor_stopped_answers_within_its_timeout(
+    sessions: Sessions, docker_client: docker.DockerClient
+) -> None:
     """`SessionContainer.call` sends the `x` frame before its `move_on_after(timeout_s)`: with the supervisor
     stopped, a call of 1 MB of code never leaves sock_sendall, and `timeout_s: 3` answers nothing at all
     (the request waits until the client hangs up)."""
     sid = sessions.create()
-    assert sessions.run(sid, STOP_THE_SUPERVISOR)["result"] == "'armed'"
-    time.sleep(1)
+    _stop_the_supervisor(sessions, docker_client, sid)
     code = "//" + "x" * 1_000_000 + "\n1"
     try:
         url = f"{sessions.service.base_url}/sessions/{sid}/execute"

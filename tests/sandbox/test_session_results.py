@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
-import time
 
 import pytest
 
@@ -142,7 +141,7 @@ def test_closing_the_session_during_a_call_says_killed(sessions: Sessions) -> No
     sid = sessions.create()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         call = pool.submit(sessions.run, sid, "await new Promise(() => {})", 30)
-        time.sleep(1)
+        sessions.running_call(sid)
         sessions.close(sid)
         answer = call.result(timeout=60)
     assert answer["error"]["name"] == "Killed"

@@ -166,7 +166,8 @@ def test_a_program_that_floods_its_output_between_calls_leaves_every_caller_serv
     during = prober.stop()
     # Generous ratios to the quiet latency measured just before (the flood once held /health for 8 s).
     assert statistics.median(during) < 25 * quiet, (quiet, sorted(during)[-5:])
-    assert max(during) < 250 * quiet, (quiet, sorted(during)[-5:])
+    # A floor of 1 s: a loaded machine alone can stall one probe that long; the bug held every probe 1.3-8 s.
+    assert max(during) < max(250 * quiet, 1.0), (quiet, sorted(during)[-5:])
 
     time.sleep(1)  # the flood is over
     later = sessions.run(sid, "'after'")
