@@ -60,6 +60,17 @@ def response_parts(raw: bytes) -> tuple[int, dict[str, str], bytes]:
     return int(status_line.split(" ")[1]), {k.lower(): v for k, v in headers.items()}, body
 
 
+def read_until(sock: socket.socket, end: bytes) -> bytes:
+    """What the server sends up to and with `end` (the connection left open)."""
+    sock.settimeout(CLOSE_WAIT_S)
+    received = b""
+    while end not in received:
+        chunk = sock.recv(1)
+        assert chunk, f"closed after {received!r}"
+        received += chunk
+    return received
+
+
 def wait_for_log(service: ServiceProcess, needle: str) -> str:
     deadline = time.monotonic() + CLOSE_WAIT_S
     while needle not in service.stderr():
@@ -208,9 +219,12 @@ def test_at_the_cap_with_a_request_in_flight_on_every_connection_a_new_one_is_re
     with service_process(tmp_path, METAAGENT_MAX_CONNECTIONS="3") as service:
         busy = [socket.create_connection(("127.0.0.1", service.port), timeout=30) for _ in range(3)]
         try:
+            head, half = HALF_BODY.split(b"\r\n\r\n", 1)
             for sock in busy:
-                sock.sendall(HALF_BODY)
-            time.sleep(0.5)  # each is in its route, waiting for the rest of its body
+                # `100 Continue` comes once the route asks for the body: the request is in flight.
+                sock.sendall(head + b"\r\nExpect: 100-continue\r\n\r\n")
+                assert read_until(sock, b"\r\n\r\n").startswith(b"HTTP/1.1 100 ")
+                sock.sendall(half)
             refused = httpx2.get(f"{service.base}/health", timeout=30)
             assert refused.status_code == 503
             assert refused.headers["retry-after"] == "1"
