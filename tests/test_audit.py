@@ -34,6 +34,17 @@ def test_a_lone_surrogate_is_written_as_its_json_escape_and_reads_back_the_same(
     assert verify(tmp_path / "audit.jsonl").ok
 
 
+def test_the_log_folder_is_made_when_needed_and_again_once_removed_with_the_chain_kept(tmp_path: Path) -> None:
+    folder = tmp_path / "state" / "metaagent"
+    audit = AuditLog(folder / "audit.jsonl")
+    audit.append("session.created", session_id="ses_1")
+    (folder / "audit.jsonl").unlink()
+    folder.rmdir()
+    record = audit.append("session.ended", session_id="ses_1")
+    assert record["seq"] == 2  # the chain goes on from the record before, in the new file
+    assert json.loads((folder / "audit.jsonl").read_text())["hash"] == record["hash"]
+
+
 def test_a_record_that_cannot_be_written_raises_and_leaves_the_chain_whole(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     audit = AuditLog(path)

@@ -79,8 +79,11 @@ class AuditLog:
             try:
                 record["hash"] = record_hash(record)
                 line = _canonical(record) + b"\n"
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                try:
+                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                except FileNotFoundError:  # its folder is made when needed (and again if it was removed)
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
                 try:
                     written = os.write(fd, line)
                 finally:
