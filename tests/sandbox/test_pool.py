@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -197,7 +198,15 @@ def test_a_warm_runner_that_dies_while_it_waits_is_never_lent_and_its_end_is_log
                 with anyio.fail_after(120):  # a bound: one start on a loaded machine
                     while pool.ready < 1:  # noqa: ASYNC110 - the pool has no event for this
                         await anyio.sleep(0.05)
-                    await anyio.sleep(1)  # the runner has exited by now
+                    # The take must come after the death, however slow the machine: wait until the engine
+                    # says the container exited, and until its end has reached the attach socket (EOF or
+                    # more output makes it readable), the only sign the take reads.
+                    waiting = pool._ready[0].prepared
+                    assert await engine.wait(waiting.container_id) == 7
+                    ended = select.poll()
+                    ended.register(waiting.sock, select.POLLIN)
+                    while not ended.poll(0):  # noqa: ASYNC110 - a socket's readability, without reading it
+                        await anyio.sleep(0.05)
                     before = _start_retries()
                     lent = pool.take(image.tag) is not None
                     while "ended while it waited" not in caplog.text:  # noqa: ASYNC110 - a log line
