@@ -88,12 +88,16 @@ def test_the_global_cap_holds_for_callers_without_keys(tmp_path: Path) -> None:
 
 
 def test_an_idle_session_is_closed_and_its_place_freed(tmp_path: Path) -> None:
-    settings = make_settings(tmp_path, mcp_max_sessions=1, mcp_session_idle_timeout_s=1)
+    # The refusal below must come while the first session still lives: the idle timeout is its margin
+    # (with 1 s, a busy machine's pause between the two requests let it idle out, and the refusal was a
+    # 200). The wait for its end is polled, so the test takes about this long.
+    idle_timeout_s = 10
+    settings = make_settings(tmp_path, mcp_max_sessions=1, mcp_session_idle_timeout_s=idle_timeout_s)
     with serving(create_app(settings)) as base:
         first = initialize(base)
         assert first.status_code == 200
         assert initialize(base).status_code == 429
-        deadline = time.monotonic() + 60  # a hang guard: the session goes after one idle second
+        deadline = time.monotonic() + idle_timeout_s + 120  # a hang guard: the session goes once idle that long
         while (second := initialize(base)).status_code != 200:
             assert time.monotonic() < deadline, second.text
             time.sleep(0.2)

@@ -9,8 +9,9 @@ from typing import Any
 
 import anyio
 import pytest
+from redis.asyncio import Redis
 
-from metaagent.fleet.state import LocalState, RedisState, SharedState, SharedStateUnavailable
+from metaagent.fleet.state import PREFIX, LocalState, RedisState, SharedState, SharedStateUnavailable
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -105,15 +106,22 @@ async def test_two_replicas_admitting_at_once_never_exceed_the_total(replicas: C
     assert max(by_key.values()) <= 4
 
 
-async def test_a_lost_replicas_leases_come_back_and_its_records_are_lost(replicas: Callable[..., RedisState]) -> None:
-    dead, alive = replicas("dead", lost_after_s=0.5), replicas("alive")
+async def test_a_lost_replicas_leases_come_back_and_its_records_are_lost(
+    redis_server: RedisServer, replicas: Callable[..., RedisState]
+) -> None:
+    # No beat runs here, so a short lost_after_s would let `dead`'s heartbeat expire before the refusal
+    # below on a slow machine; its heartbeat lasts the whole test instead, and the test ends it itself.
+    dead, alive = replicas("dead"), replicas("alive")
     await dead.start()
     await alive.start()
     assert (await dead.acquire("sessions", "d1", "alice", per_key=1, total=1)).admitted
     await dead.publish("session", "ses_d", "alice", {})
     assert not (await alive.acquire("sessions", "a1", "alice", per_key=1, total=1)).admitted
-    # `dead` stops beating (it does not close: a kill -9 leaves its keys as they are).
-    with anyio.fail_after(10):
+    # `dead` stops beating (it does not close: a kill -9 leaves its keys as they are) and its heartbeat
+    # expires: the key that RedisState.beat sets with lost_after_s as its time to live goes.
+    async with Redis.from_url(redis_server.url) as redis:
+        assert await redis.delete(f"{PREFIX}node:{dead.node_id}") == 1
+    with anyio.fail_after(60):  # a bound: alive's view of the replicas is at most REPLICAS_FRESH_S old
         while (placed := await alive.place("session", "ses_d")) is not None and not placed.lost:  # noqa: ASYNC110 - another replica's view, which no event here signals
             await anyio.sleep(0.05)
     assert placed is not None

@@ -300,12 +300,25 @@ def test_redis_stopped_and_started_under_load_loses_nothing_accepted_and_a_node_
                     (worker * 1000 + n, call((a, b)[n % 2], "POST", "/tools/code-interpreter", json={"code": code}))
                 )
 
-        # One execution accepted before Redis goes, still running while it is down.
+        # One execution accepted before Redis goes, still running while it is down. Its timeout_s (30)
+        # tells it apart from the load's (the default) in a's listing.
         slow = {"code": "setTimeout(() => console.log('finished'), 3000)", "timeout_s": 30}
+
+        def slow_one_is_running() -> bool:
+            listed = call(a, "GET", "/executions").json()["executions"]
+            return any(e["timeout_s"] == slow["timeout_s"] and e["state"] == "running" for e in listed)
+
         with ThreadPoolExecutor(4) as pool:
             running = pool.submit(call, a, "POST", "/tools/code-interpreter", json=slow)
             workers = [pool.submit(load, worker) for worker in range(2)]
-            time.sleep(1.0)
+            # Redis goes only once a has accepted the slow execution (published it in Redis and handed
+            # its code over: "running"); stopped during its admission, it would be refused with a 503.
+            # (Should it have ended before a listing caught it, it was accepted all the same; one refused
+            # fails on its status below.)
+            deadline = time.monotonic() + 120
+            while not slow_one_is_running() and not running.done():
+                assert time.monotonic() < deadline, "the slow execution was never listed running on a"
+                time.sleep(0.1)
             nodes.redis.stop()
             time.sleep(3.0)
             during = call(b, "POST", "/sessions", key=BOB, json={})
@@ -329,8 +342,9 @@ def test_redis_stopped_and_started_under_load_loses_nothing_accepted_and_a_node_
                 assert answer.json()["stdout"] == f"{n}\n"
         assert any(r.status_code == 200 for _, r in answers)
 
-        # The session lives on, and within a heartbeat (5 s) the other node reaches it again.
-        deadline = time.monotonic() + 30
+        # The session lives on, and within a heartbeat (5 s) the other node reaches it again (the deadline
+        # is generous for a busy machine).
+        deadline = time.monotonic() + 120
         while (again := call(b, "POST", f"/sessions/{session_id}/execute", json={"code": "kept"})).status_code != 200:
             assert time.monotonic() < deadline, again.text
             time.sleep(0.5)

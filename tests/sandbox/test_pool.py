@@ -5,23 +5,28 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import signal
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import anyio
 import docker
 import docker.errors
+import httpx2
 import pytest
 from prometheus_client import REGISTRY
 
+from metaagent.client import Client, Finished, Output
 from metaagent.languages.container import container_spec
 from metaagent.sandbox.engine import OWNER_PID_LABEL, ContainerSpec, Engine
 from metaagent.sandbox.pool import PARALLEL_STARTS, Warm, WarmPool
 from metaagent.sandbox.provision import SandboxImage
 from metaagent.sandbox.runtime import RUNC, Runtime
 from metaagent.sandbox.sizing import PoolLimits
+from metaagent.tools.code_interpreter import CodeInterpreterResponse
 from tests.sandbox.conftest import (
     Service,
     audit_record,
@@ -35,7 +40,35 @@ from tests.sandbox.conftest import (
 
 pytestmark = pytest.mark.docker
 
-SLOW_PRINT = "setTimeout(() => console.log('ok'), 1500)"
+# Holds its execution slot until the test lets it end: it says on stderr that it is armed (its listener in
+# place), then prints once the test sends its container SIGUSR2 (`_let_it_end`; the container's init passes it
+# on to the runner). It runs as long as the test needs, not for a time that a busy machine may outlast.
+GATED_PRINT = (
+    "const keep = setInterval(() => {}, 1000);"
+    " process.once('SIGUSR2', () => { clearInterval(keep); console.log('ok'); });"
+    " console.error('armed');"
+)
+
+
+def _run_gated(service: Service, armed: threading.Event) -> CodeInterpreterResponse:
+    """Runs GATED_PRINT, streamed so that `armed` is set as soon as it is; its answer once released."""
+    stderr = ""
+    with Client(service.base_url, timeout_s=180) as client:
+        for event in client.stream_code(GATED_PRINT, timeout_s=120):
+            if isinstance(event, Output) and event.stream == "stderr":
+                stderr += event.text
+                if "armed" in stderr:
+                    armed.set()
+            elif isinstance(event, Finished):
+                return event.result
+    raise AssertionError("the stream ended without a result")
+
+
+def _let_it_end(client: docker.DockerClient, container_id: str) -> None:
+    """Lets a running GATED_PRINT end."""
+    client.containers.get(container_id).kill("SIGUSR2")
+
+
 ONE = PoolLimits(floor=1, ceiling=1, memory_budget_mb=128)  # a fixed pool of one 128 MB container
 
 
@@ -65,9 +98,13 @@ def test_the_pool_reports_what_its_starts_cost_and_the_pace_of_starts_this_machi
 
 
 def test_a_warm_execution_gets_its_whole_timeout_however_long_the_container_waited(sandbox_service: Service) -> None:
+    # A timeout counted from the container's start would have run out before the code came (the wait
+    # below is longer), so the program's 500 ms timer would never fire; counted from the code's hand-over,
+    # the program has 4.5 s to spare for a busy machine.
+    timeout_s = 5
     wait_for_warm_containers(sandbox_service)
-    time.sleep(3)  # the ready containers have now waited longer than the whole timeout below
-    result = code_runner(sandbox_service, "warm")("setTimeout(() => console.log('in time'), 500)", timeout_s=2)
+    time.sleep(timeout_s + 1)  # the ready containers have now waited longer than the whole timeout below
+    result = code_runner(sandbox_service, "warm")("setTimeout(() => console.log('in time'), 500)", timeout_s=timeout_s)
     assert result.timed_out is False
     assert result.stdout == "in time\n"
 
@@ -84,23 +121,45 @@ def test_a_warm_container_has_the_cold_ones_security_context(sandbox_service: Se
     assert warm_record["limits"] == cold_record["limits"]
 
 
-def test_the_queue_answers_429_when_full_and_serves_everything_it_accepted(tmp_path: Path) -> None:
+def test_the_queue_answers_429_when_full_and_serves_everything_it_accepted(
+    tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
     settings = {"METAAGENT_MAX_CONCURRENT_EXECUTIONS": "1", "METAAGENT_EXECUTION_QUEUE_SIZE": "2"}
+    queued_timeout_s = 3
     with running_service(tmp_path, **settings) as service, ThreadPoolExecutor(6) as threads:
-        body = {"code": SLOW_PRINT, "timeout_s": 3}
-        responses = list(threads.map(lambda _: service.post("/tools/code-interpreter", body), range(6)))
-    served = [r.json() for r in responses if r.status_code == 200]
-    refused = [r for r in responses if r.status_code == 429]
-    assert len(served) == 3  # one running, two queued
-    assert len(refused) == 3
+
+        def post(body: dict[str, object]) -> httpx2.Response:
+            return service.post("/tools/code-interpreter", body)
+
+        # The first holds the one slot until the test releases it, so the five after it find the slot
+        # busy however slow the machine is (a timer in the program raced their arrival).
+        armed = threading.Event()
+        first = threads.submit(_run_gated, service, armed)
+        deadline = time.monotonic() + 120
+        while not armed.wait(0.1):
+            assert not first.done(), first.result()  # its answer came before it was armed: it failed
+            assert time.monotonic() < deadline, "the first execution never said it was armed"
+        (running,) = service.get("/executions").json()["executions"]
+        rest = [threads.submit(post, {"code": "console.log('ok')", "timeout_s": queued_timeout_s}) for _ in range(5)]
+        # Two wait in the queue; the three refused answer at once. A refusal means the queue was full, so once
+        # one has come back both queued ones are waiting: they then wait longer than their whole timeout.
+        answered = as_completed(rest, timeout=120)
+        refused = [next(answered).result() for _ in range(3)]
+        time.sleep(queued_timeout_s + 1)
+        _let_it_end(docker_client, running["container_id"])
+        first_answer = first.result(timeout=120)
+        served = [r.json() for f in rest if (r := f.result()).status_code == 200]
+    assert (first_answer.stdout, first_answer.timed_out) == ("ok\n", False), first_answer
+    assert [r.status_code for r in refused] == [429] * 3, [r.text for r in refused]
     for response in refused:
         assert int(response.headers["Retry-After"]) >= 1
         assert response.json()["error"].startswith("At capacity")
+    assert len(served) == 2  # the two queued (the first was the third accepted)
     for body in served:
         assert body["stdout"] == "ok\n", body
-        # The last one waited two 1.5 s runs in the queue: had that counted against timeout_s, it timed out.
-        assert body["timed_out"] is False
-    assert sorted(b["queued_ms"] for b in served)[1:] >= [1000, 1000]  # the queued two waited for a 1.5 s run
+        # Each waited in the queue longer than its whole timeout: had that counted, it timed out.
+        assert body["timed_out"] is False, body
+        assert body["queued_ms"] > queued_timeout_s * 1000, body
 
 
 def test_the_pool_refills_after_a_burst_and_is_emptied_at_shutdown(
@@ -197,7 +256,15 @@ def test_a_warm_runner_that_dies_while_it_waits_is_never_lent_and_its_end_is_log
                 with anyio.fail_after(120):  # a bound: one start on a loaded machine
                     while pool.ready < 1:  # noqa: ASYNC110 - the pool has no event for this
                         await anyio.sleep(0.05)
-                    await anyio.sleep(1)  # the runner has exited by now
+                    # The take must come after the death, however slow the machine: wait until the engine
+                    # says the container exited, and until its end has reached the attach socket (EOF or
+                    # more output makes it readable), the only sign the take reads.
+                    waiting = pool._ready[0].prepared
+                    assert await engine.wait(waiting.container_id) == 7
+                    ended = select.poll()
+                    ended.register(waiting.sock, select.POLLIN)
+                    while not ended.poll(0):  # noqa: ASYNC110 - a socket's readability, without reading it
+                        await anyio.sleep(0.05)
                     before = _start_retries()
                     lent = pool.take(image.tag) is not None
                     while "ended while it waited" not in caplog.text:  # noqa: ASYNC110 - a log line
