@@ -179,10 +179,15 @@ def audit_records(service: Service) -> list[dict[str, Any]]:
 
 def audit_record(service: Service, execution_id: str) -> dict[str, Any]:
     """The audit record of one execution (written last of its records, before its response is sent)."""
-    for record in reversed(audit_records(service)):
-        if record.get("execution_id") == execution_id:
-            return record
-    raise AssertionError(f"no audit record for {execution_id}")
+    record = audited(service, execution_id)
+    if record is None:
+        raise AssertionError(f"no audit record for {execution_id}")
+    return record
+
+
+def audited(service: Service, execution_id: str) -> dict[str, Any] | None:
+    """The audit record of one execution, None while it has none."""
+    return next((r for r in reversed(audit_records(service)) if r.get("execution_id") == execution_id), None)
 
 
 def wait_for_warm_containers(service: Service, count: int = 1) -> dict[str, Any]:

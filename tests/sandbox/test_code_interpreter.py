@@ -26,7 +26,7 @@ from tests.sandbox.conftest import (
     RunJs,
     Service,
     audit_record,
-    audit_records,
+    audited,
     code_runner,
     owned_containers,
 )
@@ -365,17 +365,12 @@ def test_client_that_disconnects_gets_its_container_removed(
         execution_id = _wait_until_running(sandbox_service, timeout_s=120)
     # The service notices the hang-up, cancels, kills and removes; its audit record is written last.
     deadline = time.monotonic() + 120
-    while (record := _audited(sandbox_service, execution_id)) is None:
+    while (record := audited(sandbox_service, execution_id)) is None:
         assert time.monotonic() < deadline, f"{execution_id} did not end within 120 s of the client's hang-up"
         time.sleep(0.1)
     assert record["outcome"] == {"status": "error", "error": "cancelled"}
     assert sandbox_service.get(f"/executions/{execution_id}").status_code == 404
     assert containers_of(execution_id) == []
-
-
-def _audited(service: Service, execution_id: str) -> dict[str, object] | None:
-    """The audit record of one execution, None while it has none."""
-    return next((r for r in reversed(audit_records(service)) if r.get("execution_id") == execution_id), None)
 
 
 def test_service_start_removes_containers_left_by_a_dead_service(
