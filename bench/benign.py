@@ -71,11 +71,13 @@ def _run(service: BenchService, program: Program) -> tuple[float, float] | str:
 
 
 def start_retries(service: BenchService) -> float:
-    """The service's count of warm containers whose runner died before any code was handed over."""
-    for line in service.client.get("/metrics").text.splitlines():
-        if line.startswith("metaagent_pool_start_retries_total "):
-            return float(line.split()[1])
-    return 0.0
+    """The service's count of warm containers whose runner died before any code was handed over, every
+    language's pool together."""
+    return sum(
+        float(line.split()[1])
+        for line in service.client.get("/metrics").text.splitlines()
+        if line.startswith("metaagent_pool_start_retries_total{")
+    )
 
 
 def measure(services: dict[str, BenchService], *, rounds: int, progress: Callable[[str], None]) -> dict[str, Any]:

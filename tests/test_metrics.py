@@ -47,6 +47,8 @@ async def test_metrics_lists_every_metric_in_prometheus_format(service: ServiceF
     families = {family.name for family in text_string_to_metric_families(response.text)}
     assert families >= NAMES
     assert "process_resident_memory_bytes" in response.text
+    # A pool's crash-at-start count is there, at its language, before its first crash.
+    assert ("metaagent_pool_start_retries_total", (("language", "javascript"),)) in samples(response.text)
 
 
 async def test_blocked_egress_is_counted_by_tool(service: ServiceFactory) -> None:

@@ -11,8 +11,9 @@
                                                  (it follows demand between its floor and ceiling)
     metaagent_pool_starts_per_second{language}   warm starts a second this machine sustains, from the pool's
                                                  recent starts (sandbox/sizing.py, StartCost); 0 before the first
-    metaagent_pool_start_retries_total           warm containers whose runner died before any code was
-                                                 handed over (a crash at start); the pool starts another
+    metaagent_pool_start_retries_total{language} warm containers of the language's pool whose runner died
+                                                 before any code was handed over (a crash at start); the
+                                                 pool starts another
     metaagent_egress_blocked_total{tool}         outbound requests the egress guard refused
     metaagent_engine_errors_total                container engine calls that failed (engine down, refused)
     metaagent_oom_kills_unreported_total         OOM kills the memory cgroup notified and the engine's
@@ -86,7 +87,8 @@ POOL_STARTS_PER_SECOND = Gauge(
 )
 POOL_START_RETRIES = Counter(
     "metaagent_pool_start_retries",
-    "Warm containers whose runner died before any code was handed over; the pool started another",
+    "Warm containers whose runner died before any code was handed over; the language's pool started another",
+    ["language"],
 )
 EGRESS_BLOCKED = Counter("metaagent_egress_blocked", "Outbound requests refused by the egress guard", ["tool"])
 ENGINE_ERRORS = Counter("metaagent_engine_errors", "Container engine calls that failed")
@@ -133,10 +135,11 @@ def watch_pool(pool: _Pool, language: str) -> None:
     POOL_CONTAINERS.labels(language=language).set_function(lambda: pool.ready)
     POOL_TARGET.labels(language=language).set_function(lambda: pool.size)
     POOL_STARTS_PER_SECOND.labels(language=language).set_function(pool.starts_per_second)
+    POOL_START_RETRIES.labels(language=language)  # zero from the start, not absent until the first retry
 
 
-def pool_start_retry() -> None:
-    POOL_START_RETRIES.inc()
+def pool_start_retry(language: str) -> None:
+    POOL_START_RETRIES.labels(language=language).inc()
 
 
 def egress_blocked(tool: str) -> None:

@@ -202,16 +202,17 @@ def wait_for_warm_containers(service: Service, count: int = 1) -> dict[str, Any]
 
 
 def metric_value(service: Service, name: str) -> float:
-    """An unlabelled metric's value in the service's /metrics (0 when it is not there yet)."""
+    """A metric's value in the service's /metrics (0 when it is not there yet): `name` is the series as
+    exposed, its labels included (`name{language="python"}`)."""
     for line in service.get("/metrics").text.splitlines():
         if line.startswith(f"{name} "):
             return float(line.split()[1])
     return 0.0
 
 
-def pool_start_retries(service: Service) -> float:
-    """The service's count of warm runners that died before any code was handed over."""
-    return metric_value(service, "metaagent_pool_start_retries_total")
+def pool_start_retries(service: Service, language: str = "javascript") -> float:
+    """The service's count of `language`'s warm runners that died before any code was handed over."""
+    return metric_value(service, f'metaagent_pool_start_retries_total{{language="{language}"}}')
 
 
 def code_runner(service: Service, path: str | None = None) -> RunJs:

@@ -198,7 +198,7 @@ def test_no_pool_when_it_is_off(tmp_path: Path, docker_client: docker.DockerClie
 
 
 def _start_retries() -> float:
-    return REGISTRY.get_sample_value("metaagent_pool_start_retries_total") or 0.0
+    return REGISTRY.get_sample_value("metaagent_pool_start_retries_total", {"language": "javascript"}) or 0.0
 
 
 def test_a_warm_container_whose_runner_dies_at_start_is_counted_and_another_started(

@@ -172,10 +172,10 @@ def test_a_warm_container_whose_program_died_is_replaced_not_handed_out(
         ]
         warm.exec_run(["/usr/bin/python3.11", "-c", KILL_THE_PROGRAM], user="1001")
         warm.wait(timeout=60)  # node's runner went with its program
-        retries = pool_start_retries(service)
+        retries = pool_start_retries(service, "python")
         result = code_runner(service)("print(6 * 7)", language="python", timeout_s=60)
         assert (result.status, result.exit_code, result.stdout) == (200, 0, "42\n"), result.body
-        assert pool_start_retries(service) > retries
+        assert pool_start_retries(service, "python") > retries
 
 
 def _run_told(code: str, runtime: Any, docker_client: docker.DockerClient) -> tuple[Outcome, list[str], bool]:

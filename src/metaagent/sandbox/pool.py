@@ -148,7 +148,7 @@ class WarmPool:
             if warm.spec.image == image_tag and waiting:
                 return self._lend(warm)
             if not waiting:
-                metrics.pool_start_retry()
+                metrics.pool_start_retry(self.image.language.name)
                 self._discard(warm, died=True)
             else:
                 self._discard(warm)  # an image rebuilt since
@@ -303,7 +303,7 @@ class WarmPool:
                 await self._remove(Warm(execution_id, spec, prepared))
                 raise
             if not ready:  # a crash at start (no code was handed over): counted, and another is started
-                metrics.pool_start_retry()
+                metrics.pool_start_retry(self.image.language.name)
                 how = await self._how_it_ended(prepared.container_id)
                 await self._remove(Warm(execution_id, spec, prepared))
                 await self.engine.remove_runtime_leftovers([prepared.container_id])  # a failed start's
