@@ -5,7 +5,15 @@ and what `import pandas` costs in a warm runner against a cold interpreter, per 
   so that no contender competes with the refill another left, as in the sessions section): a pooled
   `print(1)` ("with the pool ready"); the same back to back (one run untimed, and the next timed at
   once: what a caller that sends one call after another gets, its refill under way); a call `1+1`
-  into a Python session that stays open; and `python3 -c pass` on the host. Every result is checked.
+  into a Python session that stays open, twice: through httpx (the client the other sections use) and
+  through the standard library's `http.client` on a kept-alive connection (the service's own latency:
+  httpx's own work per request is about 1 ms on this machine, and a caller's client is the caller's);
+  and `python3 -c pass` on the host. Every result is checked.
+- What the service's own process spends on a session call: its CPU time (the scheduler's sum over its
+  threads, `/proc/<pid>/task/*/schedstat`) across each `http.client` call, and the same call's latency and
+  CPU against the framework's floor: FastAPI on uvicorn's h11 protocol, started here, with one route that
+  takes the same request model and answers a real call's answer, doing nothing else (`floor_app.py`),
+  in the same interleaved rounds.
 - `import pandas`: timed inside the code (perf_counter around the import) in a warm session, where the
   runner imported it before the call, and in a cold `docker run` of the same image's interpreter with
   nothing imported (`python3 -I -S`, dist-packages on the path), under the same runtime.
@@ -14,22 +22,27 @@ and what `import pandas` costs in a warm runner against a cold interpreter, per 
 from __future__ import annotations
 
 import functools
+import http.client
 import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.service import BenchService
+from bench.cpustat import parse_schedstat
+from bench.service import BenchService, free_port
 from bench.stats import Summary, ratio
 
 POOLED = "pooled print(1), pool ready"
 BACK_TO_BACK = "pooled print(1), back to back"
 SESSION_CALL = "session call 1+1"
+SESSION_CALL_LEAN = "session call 1+1, http.client"
+FLOOR_CALL = "framework floor: the same request to FastAPI + uvicorn (h11) that does nothing"
 BARE = "python3 -c pass (host, /usr/bin/python3)"
 TIMED_IMPORT = "import time\nt = time.perf_counter()\nimport pandas\nprint((time.perf_counter() - t) * 1000)"
 COLD_IMPORT = (
@@ -76,9 +89,80 @@ class PythonService:
     def call(self, session_id: str, code: str) -> dict[str, Any]:
         response = self.client.post(f"/sessions/{session_id}/execute", json={"code": code, "timeout_s": 30})
         answer: dict[str, Any] = response.json()
-        if response.status_code != 200 or answer.get("error") is not None:
-            raise RuntimeError(f"a Python session call failed: {response.status_code} {answer}")
-        return answer
+        return _checked_call(response.status_code, answer)
+
+
+def process_cpu_ns(pid: int) -> int:
+    """A process's time on a CPU so far, every thread of it (the scheduler's own sums)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                total += parse_schedstat(stat.read())
+        except OSError:  # a thread that has just ended
+            continue
+    return total
+
+
+class LeanCaller:
+    """Session calls over one kept-alive `http.client` connection: no client library's work in the way.
+    Each call's share of the server process's CPU (`pid`) is kept in `cpu_ms`."""
+
+    def __init__(self, port: int, pid: int) -> None:
+        self.port, self.pid = port, pid
+        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        self.cpu_ms: list[float] = []
+
+    def reconnect(self, session_id: str) -> None:
+        """A fresh connection, used once (untimed): the service closes one idle past its keep-alive."""
+        self.connection.close()
+        self.connection.request("GET", f"/sessions/{session_id}")
+        self.connection.getresponse().read()
+
+    def call(self, session_id: str, code: str) -> dict[str, Any]:
+        body = json.dumps({"code": code, "timeout_s": 30})
+        before = process_cpu_ns(self.pid)
+        self.connection.request("POST", f"/sessions/{session_id}/execute", body, {"content-type": "application/json"})
+        response = self.connection.getresponse()
+        answer = response.read()
+        self.cpu_ms.append((process_cpu_ns(self.pid) - before) / 1e6)
+        return _checked_call(response.status, json.loads(answer))
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def _checked_call(status: int, answer: dict[str, Any]) -> dict[str, Any]:
+    if status != 200 or answer.get("error") is not None:
+        raise RuntimeError(f"a Python session call failed: {status} {answer}")
+    return answer
+
+
+class FrameworkFloor:
+    """`floor_app.py` under uvicorn with the service's h11 protocol and no access log, on a free port."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        self.port = free_port()
+        argv = [sys.executable, "-m", "uvicorn", "bench.floor_app:app", "--port", str(self.port), "--http", "h11"]
+        argv += ["--loop", "asyncio", "--no-access-log", "--log-level", "warning"]
+        env = {**os.environ, "METAAGENT_BENCH_FLOOR_ANSWER": json.dumps(answer)}
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.process = subprocess.Popen(argv, cwd=root, env=env)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the framework floor's server did not start") from None
+                time.sleep(0.05)
+        self.caller = LeanCaller(self.port, self.process.pid)
+
+    def close(self) -> None:
+        self.caller.close()
+        self.process.terminate()
+        self.process.wait(timeout=30)
 
 
 def host_python() -> str:
@@ -116,15 +200,21 @@ def measure(
 ) -> dict[str, Any]:
     python = host_python()
     caller = PythonService(service)
+    assert service.process is not None
+    lean = LeanCaller(service.port, service.process.pid)
     caller.wait_python_pool()
     session_id = caller.session()
-    if caller.call(session_id, "1+1")["result"] != "2":
+    answer = caller.call(session_id, "1+1")
+    if answer["result"] != "2":
         raise RuntimeError("the Python session does not add")
+    floor = FrameworkFloor(answer)
 
     timed_calls: dict[str, Callable[[], object]] = {
         POOLED: lambda: caller.run("print(1)"),
         BACK_TO_BACK: lambda: caller.run("print(1)"),
         SESSION_CALL: lambda: caller.call(session_id, "1+1"),
+        SESSION_CALL_LEAN: lambda: lean.call(session_id, "1+1"),
+        FLOOR_CALL: lambda: floor.caller.call(session_id, "1+1"),
         BARE: lambda: _bare(python),
     }
 
@@ -132,6 +222,12 @@ def measure(
         caller.wait_python_pool()
         if name == BACK_TO_BACK:
             caller.run("print(1)")  # untimed: the timed one follows it at once
+        if name == SESSION_CALL_LEAN:
+            lean.reconnect(session_id)  # as the pool's wait just used httpx's connection
+        if name == FLOOR_CALL:
+            floor.caller.connection.close()  # a fresh connection, as the call above has
+            floor.caller.connection.request("POST", "/", "{}")  # a 404 from the floor: the connection is up
+            floor.caller.connection.getresponse().read()
         return _timed(timed_calls[name])
 
     contenders = {name: functools.partial(contender, name) for name in timed_calls}
@@ -145,6 +241,8 @@ def measure(
                 samples[name].append(elapsed)
     warm_imports = [float(caller.call(session_id, TIMED_IMPORT)["stdout"]) for _ in range(3)]
     cold_imports = [_cold_import_ms(image, runtime) for _ in range(3)]
+    lean.close()
+    floor.close()
     service.client.delete(f"/sessions/{session_id}")
     summaries = {name: Summary.of(values).as_dict() for name, values in samples.items()}
     bare = summaries[BARE]["p50"]
@@ -152,8 +250,16 @@ def measure(
         "runtime": runtime,
         "summaries": summaries,
         "samples": samples,
-        "ratios": {name: ratio(summaries[name]["p50"], bare) for name in (POOLED, BACK_TO_BACK, SESSION_CALL)},
+        "ratios": {
+            name: ratio(summaries[name]["p50"], bare)
+            for name in (POOLED, BACK_TO_BACK, SESSION_CALL, SESSION_CALL_LEAN, FLOOR_CALL)
+        },
         "import_pandas_ms": {"warm": warm_imports, "cold": cold_imports},
+        # The server process's CPU per call, over the timed rounds only (the warm-up's calls come first).
+        "server_cpu_ms": {
+            SESSION_CALL_LEAN: Summary.of(lean.cpu_ms[-rounds:]).as_dict(),
+            FLOOR_CALL: Summary.of(floor.caller.cpu_ms[-rounds:]).as_dict(),
+        },
     }
     progress(f"python ({runtime}): " + json.dumps(found["ratios"]))
     return found
@@ -169,6 +275,8 @@ def lines(results: dict[str, Any]) -> list[str]:
             if name in found["ratios"]:
                 shown += f" ({found['ratios'][name]:.2f} x {BARE} p50)"
             out.append(shown)
+        for name, cpu in found.get("server_cpu_ms", {}).items():
+            out.append(f"  server CPU per call, {name}: mean {cpu['mean']:.2f} ms, p50 {cpu['p50']:.2f} ms")
         imports = found["import_pandas_ms"]
         warm, cold = min(imports["warm"]), min(imports["cold"])
         out.append(f"  import pandas: warm runner {warm:.3f} ms, cold interpreter {cold:.0f} ms")

@@ -9,6 +9,7 @@ import math
 import os
 import re
 import struct
+import threading
 import time
 
 import pytest
@@ -40,6 +41,7 @@ from bench.cpustat import (
 )
 from bench.cpuwatch import TaskstatsSocket, WatchUnavailable
 from bench.latency import COLD, COLD_RUNSC, DOCKER_RUN, EPICBOX, NODE, POOLED, POOLED_RUNSC
+from bench.python import process_cpu_ns
 from bench.report import cpu_tables, render, runtimes_table, sessions_table, targets
 from bench.sessions import CALL, CREATE, mib_per_second, process_cpu_s, status_kib
 from bench.sessions import NODE as SESSIONS_NODE
@@ -337,6 +339,28 @@ def test_a_proc_stat_line_is_read_past_a_name_with_spaces_and_parentheses() -> N
 
 def test_schedstat_gives_a_threads_time_on_a_cpu_in_nanoseconds() -> None:
     assert parse_schedstat("200757511 1200 35\n") == 200757511
+
+
+def test_a_process_cpu_time_counts_every_thread_of_it() -> None:
+    def main_thread_ns() -> int:
+        with open(f"/proc/self/task/{threading.main_thread().native_id}/schedstat") as stat:
+            return parse_schedstat(stat.read())
+
+    worked, release = threading.Event(), threading.Event()
+
+    def work() -> None:
+        sum(range(2_000_000))
+        worked.set()
+        release.wait()  # still alive, so still listed, when the total is read
+
+    before, main_before = process_cpu_ns(os.getpid()), main_thread_ns()
+    worker = threading.Thread(target=work)
+    worker.start()
+    worked.wait()
+    after, main_after = process_cpu_ns(os.getpid()), main_thread_ns()
+    release.set()
+    worker.join()
+    assert after - before > main_after - main_before
 
 
 def test_the_cpuacct_cgroup_is_found_in_v1_and_the_unified_path_in_v2() -> None:
