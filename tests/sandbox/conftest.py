@@ -222,10 +222,11 @@ def code_runner(service: Service, path: str | None = None) -> RunJs:
         body: dict[str, Any] = {"code": code, "timeout_s": timeout_s, **fields}
         if stdin is not None:
             body["stdin"] = stdin
+        language = fields.get("language", "javascript")
         for _attempt in range(3):
             if path == "warm":
                 wait_for_warm_containers(service)
-            retries = pool_start_retries(service)
+            retries = pool_start_retries(service, language)
             response = service.post("/tools/code-interpreter", body)
             result = Result(response.status_code, response.json())
             if path is None or response.status_code != 200:
@@ -233,7 +234,7 @@ def code_runner(service: Service, path: str | None = None) -> RunJs:
             taken = audit_record(service, result.execution_id)["container_path"]
             # A warm runner that died while it waited is replaced by a cold start, and counted: only
             # then is a cold execution no failure of the warm path (the test runs again).
-            if taken == path or not (path == "warm" and pool_start_retries(service) > retries):
+            if taken == path or not (path == "warm" and pool_start_retries(service, language) > retries):
                 break
         assert taken == path
         return result

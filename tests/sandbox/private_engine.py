@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -72,6 +73,23 @@ class PrivateEngine:
             self.process.terminate()  # dockerd stops its containerd and unmounts its layers
             self.process.wait(timeout=STOP_TIMEOUT_S)
         self.process = None
+
+    @contextmanager
+    def hung(self) -> Iterator[None]:
+        """The engine stopped (SIGSTOP) for the block: it accepts connections and answers none. Entered only
+        once every thread of it has stopped: `kill` only queues the signal, and the stop begins when one
+        thread takes it, so on a busy machine the other threads could still answer a request sent at once."""
+        assert self.process is not None
+        pid = self.process.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while not _every_thread_stopped(pid):
+                assert time.monotonic() < deadline, "the private dockerd did not stop"
+                time.sleep(0.01)
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def answers(self) -> bool:
         # A plain connect first: docker-py leaks the socket of a unix connect that fails.
@@ -139,3 +157,15 @@ def private_engine() -> Iterator[PrivateEngine]:
         finally:
             engine.stop()
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _every_thread_stopped(pid: int) -> bool:
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # a thread that ended
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True

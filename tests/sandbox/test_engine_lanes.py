@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -44,17 +43,13 @@ async def test_a_call_the_engine_never_answers_is_abandoned_at_its_deadline_with
     assert engine.process is not None
     try:
         await driver.ping()  # it answers while it runs
-        os.kill(engine.process.pid, signal.SIGSTOP)  # the private engine hangs: it accepts and never answers
-        try:
-            with anyio.fail_after(FAILSAFE_S):
-                with pytest.raises(EngineTimeout, match=r"did not answer \(kill\) within 1 s"):
-                    await driver.kill("0" * 64, "SIGKILL")
-                with pytest.raises(EngineTimeout, match=r"did not answer \(remove\) within 1 s"):
-                    await driver.remove("0" * 64)
-                with pytest.raises(EngineTimeout, match=r"did not answer \(inspect_container\) within 1 s"):
-                    await driver.state("0" * 64)
-        finally:
-            os.kill(engine.process.pid, signal.SIGCONT)
+        with engine.hung(), anyio.fail_after(FAILSAFE_S):  # it accepts and never answers
+            with pytest.raises(EngineTimeout, match=r"did not answer \(kill\) within 1 s"):
+                await driver.kill("0" * 64, "SIGKILL")
+            with pytest.raises(EngineTimeout, match=r"did not answer \(remove\) within 1 s"):
+                await driver.remove("0" * 64)
+            with pytest.raises(EngineTimeout, match=r"did not answer \(inspect_container\) within 1 s"):
+                await driver.state("0" * 64)
         with anyio.fail_after(FAILSAFE_S):
             await driver.ping()  # the lanes' threads came back: the engine is served again
     finally:

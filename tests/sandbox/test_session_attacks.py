@@ -141,11 +141,19 @@ const name = process.argv[1];
 if (!fs.existsSync(name)) process.exit(3);
 fs.truncateSync(name, 0); fs.unlinkSync(name); fs.mkdirSync(name);
 """
+# A SIGSTOP is done only once every thread of the process shows it: `kill` queues the signal, and the stop
+# begins when one thread takes it (a busy machine's private dockerd answered a request in between).
 SIGNAL_THE_NAMED_PROCESS = """
 const fs = require('fs');
 const [name, signal] = process.argv.slice(1);
 if (!fs.existsSync(name)) process.exit(3);
-process.kill(Number(fs.readFileSync(name, 'utf8')), signal);
+const pid = Number(fs.readFileSync(name, 'utf8'));
+process.kill(pid, signal);
+const state = (task) => fs.readFileSync(`/proc/${pid}/task/${task}/stat`, 'utf8').split(') ').pop()[0];
+const cell = new Int32Array(new SharedArrayBuffer(4));
+while (signal === 'SIGSTOP' && !fs.readdirSync(`/proc/${pid}/task`).every((t) => 'Tt'.includes(state(t)))) {
+  Atomics.wait(cell, 0, 0, 10);
+}
 """
 
 
