@@ -21,6 +21,7 @@ and what `import pandas` costs in a warm runner against a cold interpreter, per 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.client
 import json
@@ -109,7 +110,7 @@ class LeanCaller:
     Each call's share of the server process's CPU (`pid`) is kept in `cpu_ms`."""
 
     def __init__(self, port: int, pid: int) -> None:
-        self.port, self.pid = port, pid
+        self.pid = pid
         self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         self.cpu_ms: list[float] = []
 
@@ -209,40 +210,37 @@ def measure(
         raise RuntimeError("the Python session does not add")
     floor = FrameworkFloor(answer)
 
-    timed_calls: dict[str, Callable[[], object]] = {
-        POOLED: lambda: caller.run("print(1)"),
-        BACK_TO_BACK: lambda: caller.run("print(1)"),
-        SESSION_CALL: lambda: caller.call(session_id, "1+1"),
-        SESSION_CALL_LEAN: lambda: lean.call(session_id, "1+1"),
-        FLOOR_CALL: lambda: floor.caller.call(session_id, "1+1"),
-        BARE: lambda: _bare(python),
-    }
+    with contextlib.closing(floor), contextlib.closing(lean):  # the floor's server stops, whatever happens
+        timed_calls: dict[str, Callable[[], object]] = {
+            POOLED: lambda: caller.run("print(1)"),
+            BACK_TO_BACK: lambda: caller.run("print(1)"),
+            SESSION_CALL: lambda: caller.call(session_id, "1+1"),
+            SESSION_CALL_LEAN: lambda: lean.call(session_id, "1+1"),
+            FLOOR_CALL: lambda: floor.caller.call(session_id, "1+1"),
+            BARE: lambda: _bare(python),
+        }
 
-    def contender(name: str) -> float:
-        caller.wait_python_pool()
-        if name == BACK_TO_BACK:
-            caller.run("print(1)")  # untimed: the timed one follows it at once
-        if name == SESSION_CALL_LEAN:
-            lean.reconnect(session_id)  # as the pool's wait just used httpx's connection
-        if name == FLOOR_CALL:
-            floor.caller.connection.close()  # a fresh connection, as the call above has
-            floor.caller.connection.request("POST", "/", "{}")  # a 404 from the floor: the connection is up
-            floor.caller.connection.getresponse().read()
-        return _timed(timed_calls[name])
+        def contender(name: str) -> float:
+            caller.wait_python_pool()
+            if name == BACK_TO_BACK:
+                caller.run("print(1)")  # untimed: the timed one follows it at once
+            if name == SESSION_CALL_LEAN:
+                lean.reconnect(session_id)  # as the pool's wait just used httpx's connection
+            if name == FLOOR_CALL:
+                floor.caller.reconnect(session_id)  # the floor answers its 404: the connection is up
+            return _timed(timed_calls[name])
 
-    contenders = {name: functools.partial(contender, name) for name in timed_calls}
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for round_number in range(warmup + rounds):
-        order = list(contenders)
-        random.shuffle(order)
-        for name in order:
-            elapsed = contenders[name]()
-            if round_number >= warmup:
-                samples[name].append(elapsed)
-    warm_imports = [float(caller.call(session_id, TIMED_IMPORT)["stdout"]) for _ in range(3)]
-    cold_imports = [_cold_import_ms(image, runtime) for _ in range(3)]
-    lean.close()
-    floor.close()
+        contenders = {name: functools.partial(contender, name) for name in timed_calls}
+        samples: dict[str, list[float]] = {name: [] for name in contenders}
+        for round_number in range(warmup + rounds):
+            order = list(contenders)
+            random.shuffle(order)
+            for name in order:
+                elapsed = contenders[name]()
+                if round_number >= warmup:
+                    samples[name].append(elapsed)
+        warm_imports = [float(caller.call(session_id, TIMED_IMPORT)["stdout"]) for _ in range(3)]
+        cold_imports = [_cold_import_ms(image, runtime) for _ in range(3)]
     service.client.delete(f"/sessions/{session_id}")
     summaries = {name: Summary.of(values).as_dict() for name, values in samples.items()}
     bare = summaries[BARE]["p50"]
