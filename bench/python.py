@@ -107,11 +107,13 @@ def process_cpu_ns(pid: int) -> int:
 
 class LeanCaller:
     """Session calls over one kept-alive `http.client` connection: no client library's work in the way.
-    Each call's share of the server process's CPU (`pid`) is kept in `cpu_ms`."""
+    Each call's latency is kept in `latency_ms`, timed around the request and its answer only (not the
+    reads of /proc around them), and its share of the server process's CPU (`pid`) in `cpu_ms`."""
 
     def __init__(self, port: int, pid: int) -> None:
         self.pid = pid
         self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        self.latency_ms: list[float] = []
         self.cpu_ms: list[float] = []
 
     def reconnect(self, session_id: str) -> None:
@@ -123,9 +125,11 @@ class LeanCaller:
     def call(self, session_id: str, code: str) -> dict[str, Any]:
         body = json.dumps({"code": code, "timeout_s": 30})
         before = process_cpu_ns(self.pid)
+        started = time.perf_counter()
         self.connection.request("POST", f"/sessions/{session_id}/execute", body, {"content-type": "application/json"})
         response = self.connection.getresponse()
         answer = response.read()
+        self.latency_ms.append((time.perf_counter() - started) * 1000)
         self.cpu_ms.append((process_cpu_ns(self.pid) - before) / 1e6)
         return _checked_call(response.status, json.loads(answer))
 
@@ -215,22 +219,22 @@ def measure(
             POOLED: lambda: caller.run("print(1)"),
             BACK_TO_BACK: lambda: caller.run("print(1)"),
             SESSION_CALL: lambda: caller.call(session_id, "1+1"),
-            SESSION_CALL_LEAN: lambda: lean.call(session_id, "1+1"),
-            FLOOR_CALL: lambda: floor.caller.call(session_id, "1+1"),
             BARE: lambda: _bare(python),
         }
+        lean_callers = {SESSION_CALL_LEAN: lean, FLOOR_CALL: floor.caller}
 
         def contender(name: str) -> float:
             caller.wait_python_pool()
             if name == BACK_TO_BACK:
                 caller.run("print(1)")  # untimed: the timed one follows it at once
-            if name == SESSION_CALL_LEAN:
-                lean.reconnect(session_id)  # as the pool's wait just used httpx's connection
-            if name == FLOOR_CALL:
-                floor.caller.reconnect(session_id)  # the floor answers its 404: the connection is up
+            if name in lean_callers:
+                # A fresh connection, as the pool's wait just used httpx's (the floor answers its 404).
+                lean_callers[name].reconnect(session_id)
+                lean_callers[name].call(session_id, "1+1")
+                return lean_callers[name].latency_ms[-1]
             return _timed(timed_calls[name])
 
-        contenders = {name: functools.partial(contender, name) for name in timed_calls}
+        contenders = {name: functools.partial(contender, name) for name in [*timed_calls, *lean_callers]}
         samples: dict[str, list[float]] = {name: [] for name in contenders}
         for round_number in range(warmup + rounds):
             order = list(contenders)
