@@ -219,6 +219,29 @@ def test_a_one_shot_is_answered_on_the_runners_told_end_with_all_its_output(
     assert outcome.stderr.produced == sum(len(f"-{i}\n") for i in range(1, 2000)) + len("0\n\0metaagent-end")
 
 
+def test_what_a_program_wrote_on_fd_3_before_does_not_keep_its_end_untold(
+    python_service: Service, docker_client: docker.DockerClient
+) -> None:
+    """node reads only the end of what fd 3 said: a program that wrote there itself, with no newline, is
+    still answered on the runner's told end, with its own status, once its output is all there."""
+    code = "import os, sys\nos.write(3, b'not a line ' * 1000)\nprint('done')\nsys.exit(3)"
+    outcome, retired, _ = _run_told(code, runtime_of(python_service), docker_client)
+    assert (outcome.told_end, outcome.exit_code, outcome.timed_out, retired) == (True, 3, False, [outcome.container_id])
+    assert outcome.stdout.text() == "done\n"
+
+
+def test_a_program_whose_fd_3_is_another_file_now_exits_instead_of_stopping(
+    python_service: Service, docker_client: docker.DockerClient
+) -> None:
+    """The runner stops its process after telling its end, for node to kill; where fd 3 is not the pipe to
+    node any more (closed, and a file opened since took its number), nobody would: it exits, and node
+    tells that exit, instead of the execution's timeout ending a stopped process."""
+    code = "import os\nos.close(3)\nheld = open('/tmp/taken', 'w')\nassert held.fileno() == 3\nprint('fd 3 is a file')"
+    outcome, _, _ = _run_told(code, runtime_of(python_service), docker_client)
+    assert (outcome.exit_code, outcome.timed_out) == (0, False)
+    assert outcome.stdout.text() == "fd 3 is a file\n"
+
+
 def test_a_program_killed_by_a_signal_is_answered_from_the_engines_account(
     python_service: Service, docker_client: docker.DockerClient
 ) -> None:

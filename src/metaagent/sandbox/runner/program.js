@@ -16,6 +16,7 @@ const READY = Buffer.from('metaagent-runner: ready\n'); // what every runner wri
 const CHUNK = 64 * 1024;
 const EXIT_BAD_PAYLOAD = 70;
 const signals = require('os').constants.signals;
+const ENDED_MAX = 'ended 255\n';
 
 // Reads what a pipe holds now, without waiting (the bytes a program left when it exited).
 function drainNow(stream, onBytes) {
@@ -76,10 +77,12 @@ function startProgram(command, { stdio, onReady }) {
 // end (this process, init and the sandbox going, the engine told), which it removes after. The program
 // never sees the token.
 //
-// A program that has flushed its output may say `ended <status>` on fd 3 just before it exits: this
-// process then kills it and ends with that status, so that the answer does not wait for the kernel to
+// A program that has flushed its output may say `ended <status>` on fd 3, as the last bytes it writes
+// there, and stop itself (the Python runner's leave()): this process then relays what is left, tells
+// the end, and only then kills it, so that neither the answer nor its relay waits for the kernel to
 // take the program's address space apart. What it says is only as good as the program (it chooses its
-// exit status anyway); anything else on fd 3 is ignored, and its exit is waited for.
+// exit status anyway), and what it wrote on fd 3 before does not matter: only the end of it is read.
+// A program that never says it exits, and that exit is waited for.
 function relayOnce(program, { stdio, header, endToken = null }) {
   let ended = false;
   const end = (exitCode) => {
@@ -92,22 +95,18 @@ function relayOnce(program, { stdio, header, endToken = null }) {
       stdio.writeAll(stdio.STDOUT, told);
       stdio.writeAll(stdio.STDERR, told);
     }
+    program.kill('SIGKILL'); // nothing of it runs on (a no-op once it has exited)
     process.exit(exitCode);
   };
   program.stdout.on('data', (bytes) => stdio.writeAll(stdio.STDOUT, bytes));
   program.stderr.on('data', (bytes) => stdio.writeAll(stdio.STDERR, bytes));
   program.on('exit', (code, signal) => end(exitCodeOf(code, signal)));
   if (endToken !== null) {
-    let said = '';
+    let tail = ''; // the last bytes fd 3 said: enough for the longest `ended <status>` line
     const onSaid = (bytes) => {
-      said += bytes.toString('latin1');
-      const match = /^ended (\d{1,3})\n$/.exec(said);
-      if (match !== null && Number(match[1]) <= 255) {
-        program.kill('SIGKILL'); // it has flushed its output, and says it is going: nothing of it runs on
-        return end(Number(match[1]));
-      }
-      if (said.length >= 'ended 255\n'.length || said.includes('\n')) program.stdio[3].removeListener('data', onSaid);
-      return undefined;
+      tail = (tail + bytes.toString('latin1')).slice(-ENDED_MAX.length);
+      const match = /ended (\d{1,3})\n$/.exec(tail);
+      if (match !== null && Number(match[1]) <= 255) end(Number(match[1]));
     };
     program.stdio[3].on('error', () => {}); // a program that closed fd 3: its exit is waited for
     program.stdio[3].on('data', onSaid);
