@@ -178,16 +178,19 @@ def test_a_warm_container_whose_program_died_is_replaced_not_handed_out(
         assert pool_start_retries(service, "python") > retries
 
 
-def _run_told(code: str, runtime: Any, docker_client: docker.DockerClient) -> tuple[Outcome, list[str], bool]:
-    """`code` one-shot through `execute` on the real engine, as the tool runs it: its outcome, the
-    containers `retire` was given, and whether the container was still there when `execute` returned."""
+def _run_told(
+    code: str, runtime: Any, docker_client: docker.DockerClient, *, told: bool = True
+) -> tuple[Outcome, list[str], bool]:
+    """`code` one-shot through `execute` on the real engine, as the tool runs it (without an end token
+    unless `told`): its outcome, the containers `retire` was given, and whether the container was still
+    there when `execute` returned."""
 
     async def run() -> tuple[Outcome, list[str], bool]:
         engine = Engine()
         retired: list[str] = []
         execution = Execution(new_execution_id(), 30, 256)
         spec = container_spec(execution.execution_id, python_image_tag(), 256, 1.0, runtime=runtime, language=PYTHON)
-        token = secrets.token_hex(16)
+        token = secrets.token_hex(16) if told else None
         try:
             outcome = await execute(
                 engine, spec, payload(code, None, None, token), execution, timeout_s=30, grace_s=5,
@@ -240,6 +243,16 @@ def test_a_program_whose_fd_3_is_another_file_now_exits_instead_of_stopping(
     outcome, _, _ = _run_told(code, runtime_of(python_service), docker_client)
     assert (outcome.exit_code, outcome.timed_out) == (0, False)
     assert outcome.stdout.text() == "fd 3 is a file\n"
+
+
+def test_a_one_shot_without_an_end_token_is_answered_on_its_programs_end(
+    python_service: Service, docker_client: docker.DockerClient
+) -> None:
+    """The runner stops its process once it has said its end, whether or not node tells the service: node
+    reads fd 3 either way, and ends the run, instead of the execution's timeout ending a stopped process."""
+    outcome, _, _ = _run_told("print(1)", runtime_of(python_service), docker_client, told=False)
+    assert (outcome.told_end, outcome.exit_code, outcome.timed_out) == (False, 0, False)
+    assert outcome.stdout.text() == "1\n"
 
 
 def test_a_program_killed_by_a_signal_is_answered_from_the_engines_account(

@@ -101,16 +101,15 @@ function relayOnce(program, { stdio, header, endToken = null }) {
   program.stdout.on('data', (bytes) => stdio.writeAll(stdio.STDOUT, bytes));
   program.stderr.on('data', (bytes) => stdio.writeAll(stdio.STDERR, bytes));
   program.on('exit', (code, signal) => end(exitCodeOf(code, signal)));
-  if (endToken !== null) {
-    let tail = ''; // the last bytes fd 3 said: enough for the longest `ended <status>` line
-    const onSaid = (bytes) => {
-      tail = (tail + bytes.toString('latin1')).slice(-ENDED_MAX.length);
-      const match = /ended (\d{1,3})\n$/.exec(tail);
-      if (match !== null && Number(match[1]) <= 255) end(Number(match[1]));
-    };
-    program.stdio[3].on('error', () => {}); // a program that closed fd 3: its exit is waited for
-    program.stdio[3].on('data', onSaid);
-  }
+  // Read with or without a token: a program that has said it stops, and waits for this process to end it.
+  let tail = ''; // the last bytes fd 3 said: enough for the longest `ended <status>` line
+  const onSaid = (bytes) => {
+    tail = (tail + bytes.toString('latin1')).slice(-ENDED_MAX.length);
+    const match = /ended (\d{1,3})\n$/.exec(tail);
+    if (match !== null && Number(match[1]) <= 255) end(Number(match[1]));
+  };
+  program.stdio[3].on('error', () => {}); // a program that closed fd 3: its exit is waited for
+  program.stdio[3].on('data', onSaid);
   program.stdin.end(header);
 }
 
