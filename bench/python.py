@@ -11,7 +11,7 @@ and what `import pandas` costs in a warm runner against a cold interpreter, per 
   and `python3 -c pass` on the host. Every result is checked.
 - What the service's own process spends on a session call: its CPU time (the scheduler's sum over its
   threads, `/proc/<pid>/task/*/schedstat`) across each `http.client` call, and the same call's latency and
-  CPU against the framework's floor: FastAPI on uvicorn's h11 protocol, started here, with one route that
+  CPU against the framework's floor: FastAPI on uvicorn's h11 protocol and uvloop, started here, with one route that
   takes the same request model and answers a real call's answer, doing nothing else (`floor_app.py`),
   in the same interleaved rounds.
 - `import pandas`: timed inside the code (perf_counter around the import) in a warm session, where the
@@ -149,7 +149,7 @@ class FrameworkFloor:
     def __init__(self, answer: dict[str, Any]) -> None:
         self.port = free_port()
         argv = [sys.executable, "-m", "uvicorn", "bench.floor_app:app", "--port", str(self.port), "--http", "h11"]
-        argv += ["--loop", "asyncio", "--no-access-log", "--log-level", "warning"]
+        argv += ["--loop", "uvloop", "--no-access-log", "--log-level", "warning"]
         env = {**os.environ, "METAAGENT_BENCH_FLOOR_ANSWER": json.dumps(answer)}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.process = subprocess.Popen(argv, cwd=root, env=env)

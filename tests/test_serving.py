@@ -298,3 +298,9 @@ def test_a_thousand_stalled_connections_under_a_1024_descriptor_limit_hold_few_d
         assert not [line for line in log.splitlines() if line.startswith("error")], log
         assert "at most 512 connections open (open-file limit 1024)" in log
         assert "connection cap (512" in log
+
+
+def test_the_service_runs_on_uvloops_event_loop(quick_deadlines: ServiceProcess) -> None:
+    """`serve` names uvloop (README, "uvloop, measured again"): its extension is loaded in the process."""
+    maps = Path(f"/proc/{quick_deadlines.process.pid}/maps").read_text()
+    assert "/uvloop/loop.cpython" in maps

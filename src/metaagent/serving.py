@@ -18,6 +18,10 @@ uvicorn is configured with (`http=`):
   the service is not working for costs its holder, not other callers. Only when every open connection
   has a request in flight is the new one refused: a 503 JSON answer, then the connection is closed.
 
+The event loop is uvloop's (`loop="uvloop"`, named rather than left to uvicorn's "auto", so a missing
+package is an error at start, not a slower service): it takes 4-8% off the service's CPU per session
+call (README, "Python": an interleaved A/B).
+
 uvicorn's `limit_concurrency` is not used: it accepts the connection anyway (its descriptor is spent) and
 answers only once a request line arrives, in plain text. httptools is not used either (not installed;
 the h11 protocol is what runs and what is subclassed).
@@ -116,6 +120,7 @@ def uvicorn_config(app: FastAPI, limits: ConnectionLimits, host: str, port: int)
         log_config=None,
         timeout_graceful_shutdown=15,
         http=guarded_protocol(limits),
+        loop="uvloop",
         ws="none",  # the service has no WebSocket route
         # uvicorn's own idle timer (whole seconds); the protocol closes idle connections on the exact deadline.
         timeout_keep_alive=math.ceil(limits.keep_alive_timeout_s),
