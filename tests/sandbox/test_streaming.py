@@ -209,15 +209,15 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_container(
 
 @pytest.mark.slow
 @pytest.mark.security
-def test_a_client_that_reads_nothing_for_30_s_while_the_program_floods_costs_the_service_no_memory(
+def test_a_client_that_reads_nothing_for_10_s_while_the_program_floods_costs_the_service_no_memory(
     sandbox_service: Service,
 ) -> None:
     sandbox_service.post(PATH, {"code": "console.log('warm-up')"})
     before = _rss_kib(sandbox_service.pid)
     code = "const chunk = 'x'.repeat(1 << 16); for (;;) { process.stdout.write(chunk); process._rawDebug(chunk); }"
     peak = before
-    with open_stream(sandbox_service, {"code": code, "timeout_s": 30}, timeout=300) as events:
-        deadline = time.monotonic() + 30
+    with open_stream(sandbox_service, {"code": code, "timeout_s": 10}, timeout=300) as events:
+        deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # reading nothing, while the program floods until its timeout
             peak = max(peak, _rss_kib(sandbox_service.pid))
             time.sleep(0.5)
