@@ -170,8 +170,8 @@ def test_a_warm_container_whose_program_died_is_replaced_not_handed_out(
             for c in map(docker_client.containers.get, owned_containers(docker_client, service.process.pid))
             if c.image.id == image.id
         ]
-        # Detached: the exec dies with its container, and under runsc an attached exec's stream may never
-        # end when it does (CI waited 300 s on one).
+        # Detached: nothing here needs the exec's output, and under runsc an attached exec's stream can stay
+        # open after its container has ended (2 of 4 tries by hand; CI waited 300 s on one).
         warm.exec_run(["/usr/bin/python3.11", "-c", KILL_THE_PROGRAM], user="1001", detach=True)
         warm.wait(timeout=60)  # node's runner went with its program
         retries = pool_start_retries(service, "python")
