@@ -25,6 +25,12 @@ pytestmark = pytest.mark.docker
 SESSION_ID = re.compile(r"session (ses_[0-9a-f]+) ")
 
 
+def repl_env(tmp_path: Path, **values: str) -> dict[str, str]:
+    """The CLI's environment with TMPDIR in the test's own directory: the REPL keeps the figures it saves
+    for its user (under TMPDIR), so a run of the suite would otherwise leave a folder in /tmp per test."""
+    return clean_env(tmp_path, TMPDIR=str(tmp_path), **values)
+
+
 def repl_args(service: Service, *options: str) -> list[str]:
     return [*METAAGENT, "repl", "--url", service.base_url, *options]
 
@@ -49,7 +55,7 @@ def test_piped_blocks_share_state_print_output_and_results_and_the_session_is_cl
     result = subprocess.run(
         repl_args(sandbox_service),
         cwd=tmp_path,
-        env=clean_env(tmp_path),
+        env=repl_env(tmp_path),
         input=blocks,
         capture_output=True,
         text=True,
@@ -68,7 +74,7 @@ def test_an_error_goes_to_stderr_with_no_result_and_the_next_block_still_runs(
 ) -> None:
     blocks = "const kept = 'k'\n\nthrow new Error('boom')\n\nkept\n"
     result = subprocess.run(
-        repl_args(sandbox_service), cwd=tmp_path, env=clean_env(tmp_path), input=blocks, capture_output=True, text=True
+        repl_args(sandbox_service), cwd=tmp_path, env=repl_env(tmp_path), input=blocks, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "undefined\n'k'\n"
@@ -81,7 +87,7 @@ def test_a_call_that_ends_the_session_ends_the_repl_with_its_status_and_reason(
     result = subprocess.run(
         repl_args(sandbox_service),
         cwd=tmp_path,
-        env=clean_env(tmp_path),
+        env=repl_env(tmp_path),
         input="process.exit(3)\n\n'never run'\n",
         capture_output=True,
         text=True,
@@ -101,7 +107,7 @@ def test_a_signal_during_a_piped_call_stops_the_call_and_closes_the_session(
     process = subprocess.Popen(
         repl_args(sandbox_service, "--timeout", "62"),
         cwd=tmp_path,
-        env=clean_env(tmp_path),
+        env=repl_env(tmp_path),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -163,7 +169,7 @@ class Pty:
 def on_a_terminal(args: list[str], tmp_path: Path) -> Iterator[Pty]:
     main, child = pty.openpty()
     process = subprocess.Popen(
-        args, cwd=tmp_path, env=clean_env(tmp_path, TERM="dumb"), stdin=child, stdout=child, stderr=child
+        args, cwd=tmp_path, env=repl_env(tmp_path, TERM="dumb"), stdin=child, stdout=child, stderr=child
     )
     os.close(child)
     try:
@@ -212,7 +218,7 @@ def test_a_python_repl_shows_reprs_nothing_for_none_and_saves_each_figure_naming
     result = subprocess.run(
         repl_args(python_service, "--language", "python"),
         cwd=tmp_path,
-        env=clean_env(tmp_path),
+        env=repl_env(tmp_path),
         input=blocks,
         capture_output=True,
         text=True,
