@@ -20,6 +20,7 @@ import pytest
 
 from metaagent.sandbox.cgroups import mounted_hierarchy
 from metaagent.sandbox.runtime import RUNC, RUNSC, Runtime
+from tests.sandbox import private_engine
 from tests.test_cli import METAAGENT, clean_env, free_port
 
 HOST_SECRET = "sk-host-secret-that-must-never-reach-a-sandbox"
@@ -44,6 +45,14 @@ class Service:
 
     def get(self, path: str) -> httpx2.Response:
         return httpx2.get(f"{self.base_url}{path}", timeout=30)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def image_exports_in_the_runs_directory(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The private engines' image exports go to this run's temporary directory, which every worker of the
+    run shares (each worker's own is one level down) and pytest prunes after a few runs."""
+    base = tmp_path_factory.getbasetemp()
+    private_engine.IMAGE_EXPORTS = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session")

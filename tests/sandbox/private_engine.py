@@ -23,6 +23,10 @@ import docker
 
 START_TIMEOUT_S = 60
 STOP_TIMEOUT_S = 60
+# Where `load_image` keeps its image exports, so that every private engine of a test run loads one file.
+# tests/sandbox/conftest.py points it at the run's own temporary directory, which pytest prunes. None (the
+# bench): each load exports the image for itself and removes the file after.
+IMAGE_EXPORTS: Path | None = None
 
 
 def in_netns(namespace: str) -> list[str]:
@@ -112,18 +116,25 @@ class PrivateEngine:
             client.close()
 
     def load_image(self, source: docker.DockerClient, tag: str) -> None:
-        """Copies `tag` from the shared engine (docker save | docker load, through the API). The export is
-        kept in a file per image id and reused: every private engine of the run (the fleet tests start
-        several at once) loads that file, and the shared engine, which every other test uses at the
-        same time, exports each image once."""
+        """Copies `tag` from the shared engine (docker save | docker load, through the API). In a test run
+        the export is kept in a file per image id in `IMAGE_EXPORTS` and reused: every private engine of
+        the run (the fleet tests start several at once) loads that file, and the shared engine, which
+        every other test uses at the same time, exports each image once."""
+        if IMAGE_EXPORTS is None:
+            with tempfile.TemporaryDirectory(prefix="metaagent-test-image-") as scratch:
+                archive = Path(scratch) / "image.tar"
+                _export(source, tag, archive)
+                self._load(archive)
+            return
         image_id = str(source.images.get(tag).id).removeprefix("sha256:")
-        archive = Path(tempfile.gettempdir()) / f"metaagent-test-image-{image_id[:32]}.tar"
+        archive = IMAGE_EXPORTS / f"metaagent-test-image-{image_id[:32]}.tar"
         if not archive.exists():
             partial = archive.with_suffix(f".{os.getpid()}.{time.monotonic_ns()}.part")
-            with partial.open("wb") as out:
-                for chunk in source.api.get_image(tag, chunk_size=1024 * 1024):
-                    out.write(chunk)
+            _export(source, tag, partial)
             partial.replace(archive)  # whole or not at all, whichever worker wrote it first
+        self._load(archive)
+
+    def _load(self, archive: Path) -> None:
         client = docker.DockerClient(base_url=self.url, version="1.41", timeout=120)
         try:
             with archive.open("rb") as data:
@@ -137,6 +148,12 @@ class PrivateEngine:
             return [str(c.id) for c in client.containers.list(all=True, sparse=True)]
         finally:
             client.close()
+
+
+def _export(source: docker.DockerClient, tag: str, path: Path) -> None:
+    with path.open("wb") as out:
+        for chunk in source.api.get_image(tag, chunk_size=1024 * 1024):
+            out.write(chunk)
 
 
 @contextmanager
