@@ -77,8 +77,12 @@ class AuditLog:
                 "prev_hash": self._prev,
             }
             try:
-                record["hash"] = record_hash(record)
-                line = _canonical(record) + b"\n"
+                # The line is the hashed text with the hash added last: one serialization, not two (verify
+                # parses the line and hashes its canonical form, which does not depend on key order).
+                record.pop("hash", None)  # a field called `hash` gives way to the record's own, as it always did
+                hashed = _canonical(record)
+                record["hash"] = hashlib.sha256(hashed).hexdigest()
+                line = b'%s,"hash":"%s"}\n' % (hashed[:-1], record["hash"].encode())
                 try:
                     fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
                 except FileNotFoundError:  # its folder is made when needed (and again if it was removed)

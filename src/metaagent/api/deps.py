@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -22,25 +23,21 @@ def services(request: Request) -> Services:
 
 async def until_disconnect(request: Request, call: Callable[[], Awaitable[T]]) -> T:
     """Runs `call()` after the body was read; a caller that hangs up cancels it (an execution's container
-    is then killed and removed; a session call is interrupted). Errors come out unwrapped."""
-    result: list[T] = []
-    failure: list[Exception] = []
-    async with anyio.create_task_group() as group:
+    is then killed and removed; a session call is interrupted). Errors come out unwrapped.
 
-        async def watch_disconnect() -> None:
-            # The body is read already, so the next ASGI message can only be the disconnect.
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            group.cancel_scope.cancel()
-
-        group.start_soon(watch_disconnect)
+    The hang-up is watched by a bare asyncio task that cancels the call's scope: an anyio task group here
+    (its task handle, its cancellation, its exit) was a tenth of the service's CPU for a session call."""
+    with anyio.CancelScope() as scope:
+        watcher = asyncio.get_running_loop().create_task(_cancel_at_hang_up(request, scope))
         try:
-            result.append(await call())
-        except Exception as exc:  # carried out of the task group unwrapped, for the error handlers
-            failure.append(exc)
-        group.cancel_scope.cancel()
-    if failure:
-        raise failure[0]
-    if not result:
-        raise ClientGone("The client disconnected before the answer was ready")
-    return result[0]
+            return await call()
+        finally:
+            watcher.cancel()
+    raise ClientGone("The client disconnected before the answer was ready")
+
+
+async def _cancel_at_hang_up(request: Request, scope: anyio.CancelScope) -> None:
+    # The body is read already, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
