@@ -304,3 +304,18 @@ def test_the_service_runs_on_uvloops_event_loop(quick_deadlines: ServiceProcess)
     """`serve` names uvloop (README, "uvloop, measured again"): its extension is loaded in the process."""
     maps = Path(f"/proc/{quick_deadlines.process.pid}/maps").read_text()
     assert "/uvloop/loop.cpython" in maps
+
+
+@pytest.mark.security
+def test_a_forwarded_for_header_does_not_change_the_client_the_log_names(quick_deadlines: ServiceProcess) -> None:
+    """The access line names the connection's peer: a local client cannot write another address into it."""
+    forged = {"X-Forwarded-For": "203.0.113.9", "X-Forwarded-Proto": "https"}
+    with socket.create_connection(("127.0.0.1", quick_deadlines.port), timeout=30) as sock:
+        peer_port = sock.getsockname()[1]
+        headers = "".join(f"{name}: {value}\r\n" for name, value in forged.items())
+        sock.sendall(f"GET /forged-peer HTTP/1.1\r\n{HEAD}{headers}Connection: close\r\n\r\n".encode())
+        read_until_closed(sock)
+    logged = wait_for_log(quick_deadlines, "/forged-peer")
+    line = next(line for line in logged.splitlines() if "/forged-peer" in line)
+    assert f"127.0.0.1:{peer_port} - " in line, line
+    assert "203.0.113.9" not in line, line

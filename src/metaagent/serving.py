@@ -122,6 +122,9 @@ def uvicorn_config(app: FastAPI, limits: ConnectionLimits, host: str, port: int)
         http=guarded_protocol(limits),
         loop="uvloop",
         ws="none",  # the service has no WebSocket route
+        # The peer is the client: uvicorn's default believed X-Forwarded-For and X-Forwarded-Proto from
+        # 127.0.0.1, so any local process could write the client address of its choice into the log.
+        proxy_headers=False,
         # uvicorn's own idle timer (whole seconds); the protocol closes idle connections on the exact deadline.
         timeout_keep_alive=math.ceil(limits.keep_alive_timeout_s),
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
