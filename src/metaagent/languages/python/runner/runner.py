@@ -594,7 +594,8 @@ class Calls:
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
-        self._evaluate(compile(tree, filename, "exec", flags, dont_inherit=True))
+        if tree.body:  # a cell that is one expression has nothing else to compile and run
+            self._evaluate(compile(tree, filename, "exec", flags, dont_inherit=True))
         if last is None:
             return {"status": "ok", "result": None}
         value = self._evaluate(compile(last, filename, "eval", flags, dont_inherit=True))
