@@ -18,20 +18,22 @@ const EXIT_BAD_PAYLOAD = 70;
 const signals = require('os').constants.signals;
 const ENDED_MAX = 'ended 255\n';
 
-// Reads what a pipe holds now, without waiting (the bytes a program left when it exited).
+// Reads what a pipe holds now, without waiting (the bytes a program left when it exited, or wrote before
+// its answer). One buffer serves every drain, and what is read is copied out of it: a session drains two
+// pipes at every call's answer, and two fresh 64 KiB buffers per call were garbage for node's collector.
+const drained = Buffer.alloc(CHUNK);
 function drainNow(stream, onBytes) {
   const fd = stream._handle && stream._handle.fd;
   if (typeof fd !== 'number' || fd < 0) return;
-  const buffer = Buffer.alloc(CHUNK);
   for (;;) {
     let size;
     try {
-      size = fs.readSync(fd, buffer, 0, CHUNK, null);
+      size = fs.readSync(fd, drained, 0, CHUNK, null);
     } catch {
       return; // EAGAIN: empty for now
     }
     if (size === 0) return;
-    onBytes(Buffer.from(buffer.subarray(0, size)));
+    onBytes(Buffer.from(drained.subarray(0, size)));
   }
 }
 
