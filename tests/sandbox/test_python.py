@@ -22,6 +22,7 @@ from metaagent.languages.python import PYTHON
 from metaagent.languages.python.image import python_image_tag
 from metaagent.sandbox.engine import Engine
 from metaagent.sandbox.execute import Outcome, execute, payload
+from metaagent.tools.code_interpreter import MAX_CODE_BYTES
 from tests.sandbox.conftest import (
     HOST_SECRET,
     Result,
@@ -294,6 +295,18 @@ def test_a_session_keeps_one_namespace_and_shows_the_last_value_as_its_repr(pyth
     answer = python_sessions.run(session, "import pandas as pd\npd.DataFrame({'a': [1, 2]})")
     assert answer["result"] == "   a\n0  1\n1  2"
     assert (answer["exit_code"], answer["error"]) == (0, None)
+
+
+def test_code_larger_than_the_pipe_to_the_program_arrives_whole_and_the_next_call_follows(
+    python_sessions: Sessions,
+) -> None:
+    """The supervisor writes a call's frame into the program's pipe at once and queues what the pipe does
+    not take: a frame of about 1 MiB (the most code a call takes) is written in both ways."""
+    session = new_python_session(python_sessions)
+    size = MAX_CODE_BYTES - 100
+    code = f"s = '{'ab' * (size // 2)}'\n(len(s), s.count('ba'))"
+    assert python_sessions.run(session, code, timeout_s=30)["result"] == f"({size}, {size // 2 - 1})"
+    assert python_sessions.run(session, "len(s) + 1")["result"] == str(size + 1)
 
 
 def test_a_call_that_raises_answers_the_error_and_the_session_lives_on(python_sessions: Sessions) -> None:

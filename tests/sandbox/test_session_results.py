@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from metaagent.tools.code_interpreter import MAX_CODE_BYTES
 from tests.sandbox.conftest import Sessions
 
 pytestmark = [pytest.mark.docker]
@@ -32,6 +33,16 @@ pytestmark = [pytest.mark.docker]
 def test_a_value_comes_back_whole_as_the_repl_shows_it(sessions: Sessions, code: str, shown: str) -> None:
     answer = sessions.run(sessions.create(), code)
     assert (answer["result"], answer["result_truncated"], answer["error"]) == (shown, False, None)
+
+
+def test_code_larger_than_the_pipe_to_the_program_arrives_whole_and_the_next_call_follows(sessions: Sessions) -> None:
+    """The supervisor writes a call's frame into the program's pipe at once and queues what the pipe does
+    not take: a frame of about 1 MiB (the most code a call takes) is written in both ways."""
+    session = sessions.create()
+    size = MAX_CODE_BYTES - 100
+    code = f"globalThis.s = '{'ab' * (size // 2)}';\n[s.length, s.split('ba').length - 1]"
+    assert sessions.run(session, code, timeout_s=30)["result"] == f"[ {size}, {size // 2 - 1} ]"
+    assert sessions.run(session, "s.length + 1")["result"] == str(size + 1)
 
 
 def test_a_long_array_comes_back_with_every_item(sessions: Sessions) -> None:
