@@ -1,7 +1,7 @@
-"""The framework's floor for a session call (bench/python.py): FastAPI on uvicorn's h11 protocol and uvloop,
-as the service runs, with one route that takes the service's own `SessionExecuteRequest` and answers, as the
-service's route does, a `SessionExecuteResponse`: a real call's answer, given by the bench in
-`METAAGENT_BENCH_FLOOR_ANSWER`. Nothing else: what a session call costs past this is the service's."""
+"""The framework's floor for a session call (bench/python.py): FastAPI on uvicorn's httptools protocol and
+uvloop, as the service runs, with one route that takes the service's own `SessionExecuteRequest` and
+answers, as the service's route does, a `SessionExecuteResponse`: a real call's answer, given by the bench
+in `METAAGENT_BENCH_FLOOR_ANSWER`. Nothing else: what a session call costs past this is the service's."""
 
 from __future__ import annotations
 

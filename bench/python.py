@@ -11,9 +11,9 @@ and what `import pandas` costs in a warm runner against a cold interpreter, per 
   and `python3 -c pass` on the host. Every result is checked.
 - What the service's own process spends on a session call: its CPU time (the scheduler's sum over its
   threads, `/proc/<pid>/task/*/schedstat`) across each `http.client` call, and the same call's latency and
-  CPU against the framework's floor: FastAPI on uvicorn's h11 protocol and uvloop, started here, with one route that
-  takes the same request model and answers a real call's answer, doing nothing else (`floor_app.py`),
-  in the same interleaved rounds.
+  CPU against the framework's floor: FastAPI on uvicorn's httptools protocol and uvloop, started here,
+  with one route that takes the same request model and answers a real call's answer, doing nothing else
+  (`floor_app.py`), in the same interleaved rounds.
 - `import pandas`: timed inside the code (perf_counter around the import) in a warm session, where the
   runner imported it before the call, and in a cold `docker run` of the same image's interpreter with
   nothing imported (`python3 -I -S`, dist-packages on the path), under the same runtime.
@@ -43,7 +43,7 @@ POOLED = "pooled print(1), pool ready"
 BACK_TO_BACK = "pooled print(1), back to back"
 SESSION_CALL = "session call 1+1"
 SESSION_CALL_LEAN = "session call 1+1, http.client"
-FLOOR_CALL = "framework floor: the same request to FastAPI + uvicorn (h11) that does nothing"
+FLOOR_CALL = "framework floor: the same request to FastAPI + uvicorn (httptools) that does nothing"
 BARE = "python3 -c pass (host, /usr/bin/python3)"
 TIMED_IMPORT = "import time\nt = time.perf_counter()\nimport pandas\nprint((time.perf_counter() - t) * 1000)"
 COLD_IMPORT = (
@@ -144,11 +144,11 @@ def _checked_call(status: int, answer: dict[str, Any]) -> dict[str, Any]:
 
 
 class FrameworkFloor:
-    """`floor_app.py` under uvicorn with the service's h11 protocol and no access log, on a free port."""
+    """`floor_app.py` under uvicorn with the service's protocol (httptools) and no access log, on a free port."""
 
     def __init__(self, answer: dict[str, Any]) -> None:
         self.port = free_port()
-        argv = [sys.executable, "-m", "uvicorn", "bench.floor_app:app", "--port", str(self.port), "--http", "h11"]
+        argv = [sys.executable, "-m", "uvicorn", "bench.floor_app:app", "--port", str(self.port), "--http", "httptools"]
         argv += ["--loop", "uvloop", "--no-access-log", "--log-level", "warning"]
         env = {**os.environ, "METAAGENT_BENCH_FLOOR_ANSWER": json.dumps(answer)}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

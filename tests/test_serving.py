@@ -180,6 +180,24 @@ def test_the_body_deadline_is_per_chunk_a_body_that_keeps_coming_is_never_cut_an
         assert read_until_closed(sock) == b""  # the same body, stopped a third of the way: closed
 
 
+@pytest.mark.security
+def test_a_connection_answered_before_its_body_ended_is_closed_once_idle_after_the_body(
+    quick_deadlines: ServiceProcess,
+) -> None:
+    """A 413 goes out on the head alone; the client may still send the body it announced. Once it has, the
+    connection is idle like any other, and its keep-alive deadline runs."""
+    size = 9 * 1024 * 1024  # past the default 8 MiB limit
+    head = (
+        f"POST /tools/code-interpreter HTTP/1.1\r\n{HEAD}Content-Type: application/json\r\n"
+        f"Content-Length: {size}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", quick_deadlines.port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        assert response_parts(read_until(sock, b'METAAGENT_MAX_REQUEST_BODY_BYTES)"}'))[0] == 413
+        sock.sendall(b"x" * size)
+        assert read_until_closed(sock) == b""  # closed by the keep-alive deadline (1 s), not held
+
+
 # --- the cap -------------------------------------------------------------------------------------------
 
 
@@ -319,3 +337,122 @@ def test_a_forwarded_for_header_does_not_change_the_client_the_log_names(quick_d
     line = next(line for line in logged.splitlines() if "/forged-peer" in line)
     assert f"127.0.0.1:{peer_port} - " in line, line
     assert "203.0.113.9" not in line, line
+
+
+# --- what the parser refuses ---------------------------------------------------------------------------
+
+
+def answers(raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """The answers in what a connection received, in order (each one sized by its content-length)."""
+    found = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        status, headers, _ = response_parts(head + b"\r\n\r\n")
+        length = int(headers["content-length"])
+        found.append((status, headers, rest[:length]))
+        raw = rest[length:]
+    return found
+
+
+def exchange(service: ServiceProcess, *pieces: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """Sends the pieces on one connection, one after another, and returns every answer until it closes."""
+    with socket.create_connection(("127.0.0.1", service.port), timeout=30) as sock:
+        for piece in pieces:
+            try:
+                sock.sendall(piece)
+            except OSError:
+                break  # closed under the sender: the answers say why
+        return answers(read_until_closed(sock))
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("delivery", ["in one piece", "a kilobyte at a time"])
+def test_a_request_head_past_16_kib_gets_a_json_431_however_it_arrives(
+    quick_deadlines: ServiceProcess, delivery: str
+) -> None:
+    head = f"GET /health HTTP/1.1\r\n{HEAD}X-Large: {'a' * 20_000}\r\n\r\n".encode()
+    # A kilobyte at a time, the head is never finished: it is cut off once too large, not when (if ever) it ends.
+    dripped = [head[i : i + 1024] for i in range(0, 18 * 1024, 1024)]
+    pieces = [head] if delivery == "in one piece" else dripped
+    ((status, headers, body),) = exchange(quick_deadlines, *pieces)
+    assert status == 431
+    assert headers["content-type"] == "application/json"
+    assert "at most 16384 bytes" in json.loads(body)["error"]
+    # Just under the limit is served.
+    ok = f"GET /health HTTP/1.1\r\n{HEAD}X-Large: {'a' * 15_000}\r\nConnection: close\r\n\r\n".encode()
+    assert [status for status, _, _ in exchange(quick_deadlines, ok)] == [200]
+
+
+@pytest.mark.security
+@pytest.mark.parametrize(
+    ("request_bytes", "fault"),
+    [
+        (f"GET /health HTTP/1.1\r\n{HEAD}No colon here\r\n\r\n".encode(), "Invalid header token"),
+        (
+            # Both lengths: the classic request-smuggling ambiguity.
+            f"POST /tools/code-interpreter HTTP/1.1\r\n{HEAD}Content-Length: 4\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n".encode(),
+            "Transfer-Encoding can't be present with Content-Length",
+        ),
+        (
+            f"POST /tools/code-interpreter HTTP/1.1\r\n{HEAD}Transfer-Encoding: chunked\r\n\r\n"
+            '5\r\n{"cod\r\nZZ\r\n'.encode(),
+            "Invalid character in chunk size",
+        ),
+        (b"GET /h\xffalth HTTP/1.1\r\n" + HEAD.encode() + b"\r\n", "Invalid char in url path"),
+    ],
+    ids=["header without a colon", "content-length and chunked", "bad chunk size", "byte 0xff in the path"],
+)
+def test_an_unreadable_request_gets_a_json_400_that_names_the_fault_and_the_connection_closes(
+    quick_deadlines: ServiceProcess, request_bytes: bytes, fault: str
+) -> None:
+    ((status, headers, body),) = exchange(quick_deadlines, request_bytes)
+    assert status == 400
+    assert headers["content-type"] == "application/json"
+    assert headers["connection"] == "close"
+    assert fault in json.loads(body)["error"]
+
+
+@pytest.mark.security
+def test_an_upgrade_request_is_served_as_an_ordinary_one_without_a_body_and_refused_with_one(
+    quick_deadlines: ServiceProcess,
+) -> None:
+    h2c = (  # what `curl --http2 http://...` sends
+        f"GET /health HTTP/1.1\r\n{HEAD}Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        "HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n"
+    )
+    after = f"GET /health HTTP/1.1\r\n{HEAD}Connection: close\r\n\r\n"
+    served = exchange(quick_deadlines, (h2c + after).encode())
+    assert [status for status, _, _ in served] == [200, 200]  # and the request after it was read as one
+    with_body = (
+        f"POST /tools/code-interpreter HTTP/1.1\r\n{HEAD}Connection: Upgrade\r\nUpgrade: websocket\r\n"
+        'Content-Type: application/json\r\nContent-Length: 12\r\n\r\n{"code":"1"}'
+    )
+    connect = f"CONNECT 127.0.0.1:22 HTTP/1.1\r\n{HEAD}\r\n"
+    for refused in (with_body, connect):
+        ((status, _, body),) = exchange(quick_deadlines, refused.encode())
+        assert status == 400
+        assert "Connection upgrades are not served" in json.loads(body)["error"]
+
+
+@pytest.mark.security
+def test_bad_bytes_pipelined_behind_good_requests_close_the_connection_after_their_answers(
+    quick_deadlines: ServiceProcess,
+) -> None:
+    good = f"GET /health HTTP/1.1\r\n{HEAD}\r\n"
+    served = exchange(quick_deadlines, (good + good + "GARBAGE\r\n\r\n").encode())
+    assert [status for status, _, _ in served] == [200, 200]  # whole, and no error answer inside them
+    assert served[-1][1]["connection"] == "close"
+
+
+@pytest.mark.security
+def test_a_flood_of_pipelined_requests_is_read_only_sixteen_deep_and_the_connection_closes_after_their_answers(
+    quick_deadlines: ServiceProcess,
+) -> None:
+    """The parser reads a whole read's worth of requests at once: each one queued would be a scope and a
+    cycle, many times its bytes, so no more than 16 wait behind the one being answered."""
+    served = exchange(quick_deadlines, f"GET /health HTTP/1.1\r\n{HEAD}\r\n".encode() * 300)
+    assert len(served) == 1 + 16
+    assert {status for status, _, _ in served} == {200}
+    assert served[-1][1]["connection"] == "close"
+    wait_for_log(quick_deadlines, "Too many pipelined requests: at most 16")
