@@ -60,6 +60,29 @@ def response_parts(raw: bytes) -> tuple[int, dict[str, str], bytes]:
     return int(status_line.split(" ")[1]), {k.lower(): v for k, v in headers.items()}, body
 
 
+def small_window_connection(port: int) -> socket.socket:
+    """A connection whose client takes little at a time (a 4 KiB receive window), for clients that stop reading."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: it sets the window
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def holds_connection(pid: int, client_port: int) -> bool:
+    """Whether process `pid` has a descriptor for its end of the TCP connection from `client_port`."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].rsplit(":", 1)[1], 16) == client_port and fields[9] != "0":
+            inodes.add(f"socket:[{fields[9]}]")
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd) in inodes:
+                return True
+    return False
+
+
 def read_until(sock: socket.socket, end: bytes) -> bytes:
     """What the server sends up to and with `end` (the connection left open)."""
     sock.settimeout(CLOSE_WAIT_S)
@@ -366,14 +389,15 @@ def exchange(service: ServiceProcess, *pieces: bytes) -> list[tuple[int, dict[st
 
 
 @pytest.mark.security
-@pytest.mark.parametrize("delivery", ["in one piece", "a kilobyte at a time"])
+@pytest.mark.parametrize("delivery", ["in one piece", "a kilobyte at a time", "as many small headers"])
 def test_a_request_head_past_16_kib_gets_a_json_431_however_it_arrives(
     quick_deadlines: ServiceProcess, delivery: str
 ) -> None:
     head = f"GET /health HTTP/1.1\r\n{HEAD}X-Large: {'a' * 20_000}\r\n\r\n".encode()
     # A kilobyte at a time, the head is never finished: it is cut off once too large, not when (if ever) it ends.
     dripped = [head[i : i + 1024] for i in range(0, 18 * 1024, 1024)]
-    pieces = [head] if delivery == "in one piece" else dripped
+    small_ones = (f"GET /health HTTP/1.1\r\n{HEAD}" + "a:\r\n" * 5000 + "\r\n").encode()  # 5,000 empty headers
+    pieces = {"in one piece": [head], "a kilobyte at a time": dripped, "as many small headers": [small_ones]}[delivery]
     ((status, headers, body),) = exchange(quick_deadlines, *pieces)
     assert status == 431
     assert headers["content-type"] == "application/json"
@@ -456,3 +480,114 @@ def test_a_flood_of_pipelined_requests_is_read_only_sixteen_deep_and_the_connect
     assert {status for status, _, _ in served} == {200}
     assert served[-1][1]["connection"] == "close"
     wait_for_log(quick_deadlines, "Too many pipelined requests: at most 16")
+
+
+@pytest.mark.security
+def test_chunk_framing_and_trailers_are_refused_once_past_16_kib(quick_deadlines: ServiceProcess) -> None:
+    """The parser holds a trailer until its line ends and would take trailers without end: they, chunk sizes
+    and extensions are bounded like a head."""
+    head = (
+        f"POST /tools/code-interpreter HTTP/1.1\r\n{HEAD}Content-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    )
+    # In one send with the head, so most likely in one read with it: counted all the same.
+    trailers = b"2\r\n{}\r\n0\r\n" + b"X-Trailer: 1\r\n" * 2000  # 28 KB of trailers, never ended
+    with socket.create_connection(("127.0.0.1", quick_deadlines.port), timeout=30) as sock:
+        with contextlib.suppress(OSError):  # closed under the sender: the answer says why
+            sock.sendall(head.encode() + trailers)
+        (status, headers, body), *_ = answers(read_until_closed(sock))
+    assert status == 400
+    assert headers["content-type"] == "application/json"
+    assert "Request body framing too large: at most 16384 bytes" in json.loads(body)["error"]
+
+
+@pytest.mark.security
+def test_an_absolute_url_as_the_request_target_is_refused_not_routed_past_the_host_check(
+    quick_deadlines: ServiceProcess,
+) -> None:
+    """With an absolute URL, its authority names the server, not the Host header the host check reads."""
+    raw = f"GET http://attacker.example/health HTTP/1.1\r\n{HEAD}\r\n".encode()
+    ((status, _, body),) = exchange(quick_deadlines, raw)
+    assert status == 400
+    assert "must be a path" in json.loads(body)["error"]
+
+
+@pytest.mark.security
+def test_a_client_that_stops_taking_its_answers_is_cut_off_after_the_body_deadline(
+    quick_deadlines: ServiceProcess,
+) -> None:
+    """It would hold its connection (and a place under the cap) for as long as it liked: the service
+    writes, the client does not read, and nothing else would end it."""
+    with small_window_connection(quick_deadlines.port) as sock:
+        peer = f"127.0.0.1:{sock.getsockname()[1]}"
+        line = f"closed the connection from {peer}: the client took no answer bytes for 2 s"
+        answered = f'{peer} - "GET /openapi.json HTTP/1.1" 200'
+        # 54 KB answers, 16 at a time, until the kernel's buffers fill and then the service's
+        for batch in range(1, 21):
+            sock.sendall(f"GET /openapi.json HTTP/1.1\r\n{HEAD}\r\n".encode() * 16)
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            while quick_deadlines.stderr().count(answered) < 16 * batch and line not in quick_deadlines.stderr():
+                assert time.monotonic() < deadline, quick_deadlines.stderr()
+                time.sleep(0.05)
+            if line in quick_deadlines.stderr():
+                break
+        wait_for_log(quick_deadlines, line)
+        # The service's descriptor is gone (the kernel may still send what it holds, not the service).
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while holds_connection(quick_deadlines.process.pid, sock.getsockname()[1]):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+@pytest.mark.security
+def test_a_client_that_hangs_up_on_pipelined_requests_is_a_hang_up_not_a_traceback(
+    quick_deadlines: ServiceProcess,
+) -> None:
+    """The route running is told, not only the newest request behind it."""
+    before = quick_deadlines.stderr()
+    for _ in range(10):
+        with socket.create_connection(("127.0.0.1", quick_deadlines.port), timeout=30) as sock:
+            sock.sendall(f"GET /openapi.json HTTP/1.1\r\n{HEAD}\r\n".encode() * 3)
+            time.sleep(0.005)
+    time.sleep(1)
+    after = quick_deadlines.stderr()[len(before) :]
+    assert "Traceback" not in after, after
+    assert "Exception in ASGI application" not in after, after
+
+
+def send_queue(server_port: int, client_port: int) -> int:
+    """Bytes the service's end of the connection from `client_port` has queued and not had acknowledged."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = (int(address.rsplit(":", 1)[1], 16) for address in fields[1:3])
+        if (local, remote) == (server_port, client_port):
+            return int(fields[4].split(":")[0], 16)
+    return 0
+
+
+@pytest.mark.security
+def test_a_connection_closed_after_its_last_answer_does_not_keep_its_descriptor_while_the_client_reads_nothing(
+    quick_deadlines: ServiceProcess,
+) -> None:
+    """uvicorn closes a connection itself after answering `Connection: close` (and at its keep-alive
+    timer): the close waited for a client that never reads, descriptor held, for ever."""
+    request = f"GET /openapi.json HTTP/1.1\r\n{HEAD}\r\n".encode()
+    with small_window_connection(quick_deadlines.port) as sock:
+        client_port = sock.getsockname()[1]
+        answered = f'127.0.0.1:{client_port} - "GET /openapi.json HTTP/1.1" 200'
+        queued = -1
+        for sent in range(1, 400):  # 54 KB answers, one at a time, until the kernel's queue is full
+            sock.sendall(request)
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            while quick_deadlines.stderr().count(answered) < sent:
+                assert time.monotonic() < deadline, quick_deadlines.stderr()
+                time.sleep(0.05)
+            now_queued = send_queue(quick_deadlines.port, client_port)
+            if now_queued - queued < 40_000:
+                break
+            queued = now_queued
+        sock.sendall(f"GET /health HTTP/1.1\r\n{HEAD}Connection: close\r\n\r\n".encode())
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while holds_connection(quick_deadlines.process.pid, client_port):
+            assert time.monotonic() < deadline, "the service still holds the connection"
+            time.sleep(0.05)

@@ -13,10 +13,17 @@ uvicorn is configured with (`http=`):
 - the request line and headers must arrive within `METAAGENT_CLIENT_HEADER_TIMEOUT_S` of the connection
   (or, on a kept-alive connection, of the request's first byte); past it, a 408 if a byte came, else the
   connection is closed without a word;
+- chunk sizes, extensions and trailers are bounded like a head (a 400 past 16 KiB at once), and trailers
+  are dropped, never made headers; a request target must be a path (an absolute URL names its server in
+  place of the Host header the host check reads); at most `MAX_PIPELINED` requests are read ahead;
 - while a request body is being sent, each chunk must come within `METAAGENT_CLIENT_BODY_TIMEOUT_S` of
   the one before, or of the route asking for more (the clock does not run while the service itself
   holds reading back, or before it asked a client that waits for `100 Continue`); past it, the
   connection is closed, and the route sees a disconnect (`metaagent.disconnects` logs one line);
+- once the transport's buffer for a client is full, the client must take some of it within the same
+  `METAAGENT_CLIENT_BODY_TIMEOUT_S`, or the connection is aborted; a connection the service closes has
+  `_CLOSE_GRACE_S` to take what was written, then it is aborted too, and it counts against the cap until
+  its descriptor is closed, so no client that stops reading holds a descriptor;
 - at most `METAAGENT_MAX_CONNECTIONS` connections are open at once (by default half the process's
   open-file limit, so that the engine, the egress proxy, sessions and the audit log always have
   descriptors). At the cap, a new connection first takes the place of the oldest one that has no request
@@ -42,20 +49,21 @@ import json
 import logging
 import math
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import httptools
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from metaagent.disconnects import CLOSED_REASON_SCOPE_KEY
 from metaagent.errors import ConfigError
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+    from uvicorn._types import ASGI3Application
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
@@ -73,6 +81,11 @@ MAX_SHARE_OF_NOFILE = 0.75
 # A refused connection is read (and discarded) for this long after its 503 before it is closed, so that
 # the answer is not lost to a reset; at most `_LINGERING_MAX` refused connections linger at once.
 _REFUSAL_LINGER_S = 1.0
+# The parser is fed this much at a time (see `data_received`).
+_PARSE_SLICE = 4 * 1024
+# A connection the service closes has this long to take what was written to it (a 408, the end of an
+# answer) before it is aborted: a client that does not read would otherwise keep its descriptor open.
+_CLOSE_GRACE_S = 1.0
 _LINGERING_MAX = 64
 # Warnings about the cap are written at most this often, with a count of what happened in between.
 _PRESSURE_LOG_INTERVAL_S = 60.0
@@ -212,6 +225,64 @@ class _Flow(FlowControl):
         self._on_resume()
 
 
+class _ClosingTransport(asyncio.Transport):
+    """A connection's transport that tells its protocol when it is closed, by whichever code closes it."""
+
+    def __init__(self, transport: asyncio.Transport, on_close: Callable[[], None]) -> None:
+        super().__init__()
+        self._transport = transport
+        self._on_close = on_close
+
+    def close(self) -> None:
+        self._transport.close()
+        self._on_close()
+
+    def abort(self) -> None:
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._transport.write(data)
+
+    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
+        self._transport.writelines(list_of_data)
+
+    def write_eof(self) -> None:
+        self._transport.write_eof()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size()
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+
 class _Refused(asyncio.Protocol):
     """A connection refused at the cap, after its 503: what it sends is discarded until it closes or the
     linger ends."""
@@ -220,7 +291,7 @@ class _Refused(asyncio.Protocol):
         self.guard = guard
         self.transport = transport
         guard.lingering += 1
-        self.timer = loop.call_later(_REFUSAL_LINGER_S, transport.close)
+        self.timer = loop.call_later(_REFUSAL_LINGER_S, transport.abort)  # what was not taken by then never will be
 
     def data_received(self, data: bytes) -> None:
         pass
@@ -266,12 +337,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self._counted = False
         self._phase = _Phase.HEAD
+        self._unparsable = False
+        self._running: RequestResponseCycle | None = None  # whose route runs (`cycle` may be pipelined after it)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = math.inf
+        self._abort_timer: asyncio.TimerHandle | None = None
         self._head_started: float | None = None  # when the request line being waited for began (or the connection)
         self._head_bytes = 0  # bytes received while waiting for it
         self._idle_since: float | None = None  # when the last answer was sent
         self._last_read = 0.0  # the last body progress: bytes received, or reading resumed
+        self._body_bytes = 0  # body bytes the parser has handed over, all requests together
+        self._framing_bytes = 0  # bytes received in a body since the last body bytes: chunk framing, trailers
+        self._write_paused_since: float | None = None  # when the client last stopped taking answer bytes
 
     # --- the cap ---------------------------------------------------------------------------------------
 
@@ -283,7 +360,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         guard.open += 1
         self._counted = True
         super().connection_made(transport)
-        self.flow = _Flow(transport, self._reading_resumed)
+        # uvicorn closes connections in several places (an answer to `Connection: close`, its keep-alive
+        # timer, its error paths): each close, wherever made, arms the abort.
+        self.transport = _ClosingTransport(transport, self._closing)
+        self.flow = _Flow(self.transport, self._reading_resumed)
         self._head_started = self.loop.time()
         self._update()
 
@@ -292,10 +372,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if not guard.waiting:
             return False
         victim = next(iter(guard.waiting))
-        victim._forget()
+        victim._uncount()  # its descriptor goes now: aborted, not closed after what it has not read
         victim._cancel_timer()
-        if not victim.transport.is_closing():
-            victim.transport.close()
+        victim.transport.abort()
         guard.evictions.note(self.loop.time(), guard.limits)
         return True
 
@@ -317,41 +396,75 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         transport.write_eof()
         transport.set_protocol(_Refused(guard, transport, self.loop))
 
-    def _forget(self) -> None:
-        """No longer counted against the cap (closed, or closing to make room)."""
+    def _uncount(self) -> None:
+        """No longer counted against the cap: its descriptor is closed, or about to be."""
         if self._counted:
             self._counted = False
             self.guard.open -= 1
         self.guard.waiting.pop(self, None)
 
+    def _closing(self) -> None:
+        """The connection is being closed: what was written goes out if the client reads it within the
+        grace, else the connection is aborted. It counts against the cap until its descriptor is closed."""
+        self.guard.waiting.pop(self, None)
+        self._cancel_timer()
+        if self._abort_timer is None:
+            self._abort_timer = self.loop.call_later(_CLOSE_GRACE_S, self.transport.abort)
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self.flow is None:  # refused: the _Refused protocol took over before uvicorn saw it
             return
-        self._forget()
+        self._uncount()
+        # uvicorn tells only the newest request; the route running may be an older one, with others queued.
+        for cycle in (self._running, *(queued for queued, _app in self.pipeline)):
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+        super().connection_lost(exc)  # closes the transport, which arms the abort: disarmed below
         self._cancel_timer()
-        super().connection_lost(exc)
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
 
     # --- parsing ---------------------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        now = self.loop.time()
-        if self._phase is _Phase.HEAD:
-            if self._head_started is None:
-                self._head_started = now  # a kept-alive connection's next request begins
-            self._head_bytes += len(data)
-        self._last_read = now
         self._unset_keepalive_if_required()
+        self._last_read = self.loop.time()
+        # Fed a slice at a time, so that what a slice held (head, body, framing) is known to within a
+        # slice: one read can hold the end of a head and a trailer that never ends, or many requests.
+        view = memoryview(data)
+        for start in range(0, len(view), _PARSE_SLICE):
+            if self._unparsable or not self._parse(view[start : start + _PARSE_SLICE]):
+                return  # the parser stopped at refused bytes; the connection closes after the answers owed
+        self._update()
+
+    def _parse(self, data: memoryview) -> bool:
+        """Feeds `data` to the parser and checks the limits: False if the request was refused."""
+        phase, body_bytes = self._phase, self._body_bytes
+        if phase is _Phase.HEAD:
+            if self._head_started is None:
+                self._head_started = self._last_read  # a kept-alive connection's next request begins
+            self._head_bytes += len(data)
         try:
             self._feed(data)
         except httptools.HttpParserError as error:
             self._answer_unparsable(error)
-            return
+            return False
         if self._phase is _Phase.HEAD and self._head_bytes > MAX_HEAD_BYTES:
             self._answer_unparsable(_head_too_large())
-            return
-        self._update()
+            return False
+        if phase is _Phase.BODY and self._phase is _Phase.BODY:
+            # Chunk sizes, extensions and trailers are bounded like a head: the parser holds a trailer
+            # until its line ends, and would take them without end. Counted since the last slice with
+            # body bytes, that slice's own included.
+            delivered = self._body_bytes - body_bytes
+            self._framing_bytes = (0 if delivered else self._framing_bytes) + len(data) - delivered
+            if self._framing_bytes > MAX_HEAD_BYTES:
+                self._answer_unparsable(_framing_too_large())
+                return False
+        return True
 
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, data: memoryview) -> None:
         while data:
             try:
                 self.parser.feed_data(data)
@@ -360,7 +473,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 # The service upgrades to nothing (no WebSocket, no h2c), and `on_headers_complete` refused an
                 # upgrade with a body: the request was an ordinary one, and what follows it is the next request.
                 (offset,) = upgrade.args
-                data = data[offset:] if offset > 0 else b""  # it always moves on; never loop on the same bytes
+                data = data[offset:] if offset > 0 else data[:0]  # it always moves on; never loop on the same bytes
 
     def _answer_unparsable(self, error: Exception) -> None:
         refused = error if isinstance(error, _HeadRefused) else error.__context__
@@ -371,6 +484,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 f"Invalid HTTP request ({error}): send a well-formed HTTP/1.1 request",
             )
         log.info("refused a request from %s: %s", _peer(self.client), refused.message)
+        self._unparsable = True
         if self.pipeline or (self._phase is not _Phase.BODY and self._in_flight()):
             # The bad bytes follow requests still being answered: their answers go out whole, and the last
             # one closes the connection (an error answer now would land in the middle of them).
@@ -384,14 +498,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self.transport.write(_raw_json_response(refused.status, refused.reason, refused.message))
         else:
             self.transport.write(_raw_json_response(refused.status, refused.reason, refused.message))
-        self._forget()
-        self._cancel_timer()
         self.transport.close()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
 
     def on_message_begin(self) -> None:
         if len(self.pipeline) >= MAX_PIPELINED:
             # One read can hold thousands of small requests, and the parser reads them all at once: each
-            # queued one is a scope and a cycle, tens of times its bytes in memory.
+            # queued one is a scope and a cycle, tens of times its bytes in memory. (The connection closes
+            # after the answers owed; this one is never sent, but logged.)
             raise _HeadRefused(
                 429,
                 "Too Many Requests",
@@ -403,15 +520,33 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._head_started is None:
             self._head_started = self.loop.time()
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._phase is _Phase.HEAD:  # not a trailer: those are bounded (above) and dropped, never headers
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
-        if len(self.url) + sum(len(name) + len(value) for name, value in self.headers) > MAX_HEAD_BYTES:
-            raise _head_too_large()  # it came whole in one read: the check in `data_received` did not see it
+        # A head that came whole in one read was not measured as it arrived: measured here, as sent.
+        if len(self.url) + sum(len(name) + len(value) + 3 for name, value in self.headers) > MAX_HEAD_BYTES:
+            raise _head_too_large()
         if self.parser.should_upgrade():
             _refuse_an_upgrade_with_a_body(self.parser.get_method(), self.headers)
+        if not self.url.startswith(b"/") and self.url != b"*":
+            # An absolute URL's authority, not the Host header, names the server it is for (RFC 9112,
+            # 3.2.2): the Host check would not see it.
+            raise _HeadRefused(
+                400,
+                "Bad Request",
+                "The request target must be a path, such as /tools: this service is not a proxy",
+            )
         super().on_headers_complete()
         self._phase = _Phase.BODY
         self._head_started = None
         self._head_bytes = 0
+        self._framing_bytes = 0
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -432,6 +567,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     # --- the deadlines ---------------------------------------------------------------------------------
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._write_paused_since = self.loop.time()
+        self._update()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._write_paused_since = None
+
     def _reading_resumed(self) -> None:
         if self._phase is _Phase.BODY:
             self._last_read = self.loop.time()
@@ -439,7 +583,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _in_flight(self) -> bool:
         """A request whose answer is not complete: the service is working for this connection."""
-        return self.cycle is not None and not self.cycle.response_complete
+        return any(cycle is not None and not cycle.response_complete for cycle in (self._running, self.cycle))
 
     def _update(self) -> None:
         """Keeps the guard's list of waiting connections and this connection's deadline up to date."""
@@ -460,6 +604,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _deadline(self) -> float | None:
         limits = self.guard.limits
+        if self._write_paused_since is not None:
+            return self._write_paused_since + limits.body_timeout_s  # the client must take what it is sent
         if self._phase is _Phase.BODY:
             if self.flow.read_paused or (self.cycle is not None and self.cycle.waiting_for_100_continue):
                 return None  # the service holds the body back, or has not asked for it yet: not the client's wait
@@ -493,6 +639,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _expire(self) -> None:
         limits = self.guard.limits
+        if self._write_paused_since is not None:
+            reason = (
+                f"the client took no answer bytes for {limits.body_timeout_s:g} s (METAAGENT_CLIENT_BODY_TIMEOUT_S); "
+                "the service closed the connection"
+            )
+            log.info("closed the connection from %s: %s", _peer(self.client), reason)
+            if self._running is not None:
+                self._running.scope[CLOSED_REASON_SCOPE_KEY] = reason  # type: ignore[literal-required]  # our own key
+            self.transport.abort()  # what it has not taken would never go out
+            return
         if self._phase is _Phase.BODY:
             reason = (
                 f"no request body bytes came for {limits.body_timeout_s:g} s (METAAGENT_CLIENT_BODY_TIMEOUT_S); "
@@ -509,7 +665,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                     f"{limits.header_timeout_s:g} s (METAAGENT_CLIENT_HEADER_TIMEOUT_S)",
                 )
             )
-        self._forget()
         self.transport.close()
 
 
@@ -519,6 +674,15 @@ def _head_too_large() -> _HeadRefused:
         "Request Header Fields Too Large",
         f"Request line and headers too large: at most {MAX_HEAD_BYTES} bytes together; send shorter headers "
         "(a large value belongs in the body)",
+    )
+
+
+def _framing_too_large() -> _HeadRefused:
+    return _HeadRefused(
+        400,
+        "Bad Request",
+        f"Request body framing too large: at most {MAX_HEAD_BYTES} bytes of chunk sizes, chunk extensions and "
+        "trailers at once; send the body in larger chunks, without extensions or large trailers",
     )
 
 

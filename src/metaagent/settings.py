@@ -137,8 +137,9 @@ class Settings(BaseSettings):
 
     # Connections (see metaagent.serving): the request line and headers must arrive within
     # `client_header_timeout_s`, each chunk of a request body within `client_body_timeout_s` of the one
-    # before, an idle kept-alive connection is closed after `keep_alive_timeout_s`, and at most
-    # `max_connections` are open at once (None: half the process's open-file limit).
+    # before (and a client whose answer fills the service's buffer must take some within it), an idle
+    # kept-alive connection is closed after `keep_alive_timeout_s`, and at most `max_connections` are
+    # open at once (None: half the process's open-file limit).
     client_header_timeout_s: float = Field(default=10.0, gt=0, le=300)
     client_body_timeout_s: float = Field(default=30.0, gt=0, le=600)
     keep_alive_timeout_s: float = Field(default=5.0, gt=0, le=300)
