@@ -18,13 +18,20 @@ const EXIT_BAD_PAYLOAD = 70;
 const signals = require('os').constants.signals;
 const ENDED_MAX = 'ended 255\n';
 
+// The descriptor under a pipe's stream, for a read or a write that must not wait: null while it has none
+// (not open yet, or closed).
+function descriptorOf(stream) {
+  const fd = stream._handle && stream._handle.fd;
+  return typeof fd === 'number' && fd >= 0 ? fd : null;
+}
+
 // Reads what a pipe holds now, without waiting (the bytes a program left when it exited, or wrote before
 // its answer). One buffer serves every drain, and what is read is copied out of it: a session drains two
 // pipes at every call's answer, and two fresh 64 KiB buffers per call were garbage for node's collector.
 const drained = Buffer.alloc(CHUNK);
 function drainNow(stream, onBytes) {
-  const fd = stream._handle && stream._handle.fd;
-  if (typeof fd !== 'number' || fd < 0) return;
+  const fd = descriptorOf(stream);
+  if (fd === null) return;
   for (;;) {
     let size;
     try {
@@ -115,4 +122,4 @@ function relayOnce(program, { stdio, header, endToken = null }) {
   program.stdin.end(header);
 }
 
-module.exports = Object.freeze({ __proto__: null, startProgram, relayOnce, drainNow, exitCodeOf });
+module.exports = Object.freeze({ __proto__: null, startProgram, relayOnce, descriptorOf, drainNow, exitCodeOf });

@@ -39,7 +39,7 @@ const net = require('net');
 const crypto = require('crypto');
 const { Buffer } = require('buffer');
 // drainNow: reads what a pipe holds now, without waiting (the bytes the program wrote before its answer).
-const { drainNow, exitCodeOf } = require('./program.js');
+const { descriptorOf, drainNow, exitCodeOf } = require('./program.js');
 
 const WORKSPACE = '/workspace';
 const HEADER = 5;
@@ -350,9 +350,9 @@ function runSupervisor({ stdio, programHeader, initial, program: started }) {
   // queued on the stream, which writes it as the program reads. The stream alone would cost every call
   // one more poll of the event loop, for its write's completion: a trapped system call under gVisor.
   function toProgramNow(bytes) {
-    const fd = toProgram._handle && toProgram._handle.fd;
+    const fd = descriptorOf(toProgram);
     let offset = 0;
-    if (typeof fd === 'number' && fd >= 0 && toProgram.writableLength === 0) {
+    if (fd !== null && toProgram.writableLength === 0) {
       try {
         while (offset < bytes.length) offset += fs.writeSync(fd, bytes, offset, bytes.length - offset);
       } catch {
