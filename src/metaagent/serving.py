@@ -319,7 +319,6 @@ class _HeadRefused(Exception):
 class _Phase(enum.Enum):
     HEAD = "waiting for a request line and headers, or receiving them"
     BODY = "receiving a request body"
-    DONE = "the request is in; the answer is owed"
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -491,12 +490,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.cycle.keep_alive = False
             self.flow.pause_reading()
             return
-        if self._in_flight():  # the request's own body was bad: its route sees a disconnect
+        in_flight = self._in_flight()
+        if in_flight:  # the request's own body was bad: its route sees a disconnect
             self.cycle.disconnected = True
             self.cycle.message_event.set()
-            if not self.cycle.response_started:
-                self.transport.write(_raw_json_response(refused.status, refused.reason, refused.message))
-        else:
+        if not (in_flight and self.cycle.response_started):
             self.transport.write(_raw_json_response(refused.status, refused.reason, refused.message))
         self.transport.close()
 
@@ -550,16 +548,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        if self._in_flight():
-            self._phase = _Phase.DONE
-        else:  # answered before its body ended (a 413, say): the connection now waits for the next request
-            self._phase = _Phase.HEAD
+        self._phase = _Phase.HEAD  # what comes next is the next request's
+        if not self._in_flight():  # answered before its body ended (a 413, say): idle from now
             self._idle_since = self.loop.time()
 
     def on_response_complete(self) -> None:
         self._idle_since = self.loop.time()
-        if self._phase is _Phase.DONE:
-            self._phase = _Phase.HEAD
         self._head_started = None
         self._head_bytes = 0
         super().on_response_complete()
@@ -610,7 +604,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if self.flow.read_paused or (self.cycle is not None and self.cycle.waiting_for_100_continue):
                 return None  # the service holds the body back, or has not asked for it yet: not the client's wait
             return self._last_read + limits.body_timeout_s
-        if self._phase is _Phase.DONE or self._in_flight():
+        if self._in_flight():
             return None  # the whole request is in (a pipelined one waits its turn): the route's own deadlines hold
         if self._head_started is not None:
             return self._head_started + limits.header_timeout_s
