@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from metaagent import metrics
 from metaagent.access import current_caller, current_tenant
 from metaagent.errors import ReplicaFull
+from metaagent.fleet.routing import ReplicaUnreachable
 from metaagent.sandbox.output import OutputSink
 from metaagent.services import Services
 from metaagent.sessions import file_tools
@@ -43,12 +44,18 @@ def _in_its_session(tool: str, call: Callable[..., Awaitable[BaseModel]]) -> Cal
     streamed back when a sink is given)."""
 
     async def routed(svc: Services, request: BaseModel, sink: OutputSink | None = None) -> BaseModel:
+        async def here() -> BaseModel:
+            return await (call(svc, request, sink) if sink is not None else call(svc, request))
+
         session_id = getattr(request, "session_id", None)
-        if session_id is not None and svc.peers is not None:
-            node_url = await svc.peers.owner_of("session", session_id, current_tenant())
-            if node_url is not None:
-                return await svc.peers.call_tool(node_url, tool, request, current_tenant(), sink)
-        return await (call(svc, request, sink) if sink is not None else call(svc, request))
+        if session_id is None or svc.peers is None:
+            return await here()
+        peers = svc.peers
+
+        async def there(node_url: str) -> BaseModel:
+            return await peers.call_tool(node_url, tool, request, current_tenant(), sink)
+
+        return await peers.at_owner("session", session_id, current_tenant(), there=there, here=here)
 
     return routed
 
@@ -87,7 +94,10 @@ async def open_session(svc: Services, request: SessionCreateRequest) -> SessionR
     if svc.peers is not None:
         home = await svc.peers.session_home(svc.sessions.open_count, svc.sessions.limits.max_sessions)
         if home is not None:
-            return await svc.peers.call_tool(home, "session_create", request, current_tenant(), None)  # type: ignore[return-value]
+            try:
+                return await svc.peers.call_tool(home, "session_create", request, current_tenant(), None)  # type: ignore[return-value]
+            except ReplicaUnreachable:  # nothing reached it (it may just have stopped): the session opens here
+                svc.peers.state.forget_replicas()
     return await svc.sessions.create(request, current_tenant())
 
 

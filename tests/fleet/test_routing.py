@@ -9,6 +9,7 @@ import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import unquote
 
@@ -17,9 +18,12 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from metaagent.access import CALLER_SCOPE_KEY, FORWARDED_SCOPE_KEY
-from metaagent.errors import UpstreamError
+from metaagent.catalogue import open_session
+from metaagent.errors import Gone, UpstreamError
+from metaagent.fleet import state as state_module
 from metaagent.fleet.routing import AcceptFleetRequests, Forwarder, Peers, ReplicaUnreachable, RouteToOwner
 from metaagent.fleet.state import RedisState
+from metaagent.sessions.models import SessionCreateRequest
 from metaagent.tenancy import Caller
 from metaagent.tools.code_interpreter import CodeInterpreterRequest
 from tests.redis_server import RedisServer
@@ -259,9 +263,7 @@ async def test_a_relayed_call_is_tried_elsewhere_only_if_nothing_reached_the_rep
 
     thread = threading.Thread(target=answer_then_break, daemon=True)
     thread.start()
-    with socket.socket() as unused:
-        unused.bind(("127.0.0.1", 0))
-        refused_url = f"http://127.0.0.1:{unused.getsockname()[1]}"  # bound, not listening: refused
+    refused_url = _refusing_url()
     state = RedisState(redis_server.url, "a", "http://127.0.0.1:1")
     forwarder = Forwarder(TOKEN)
     peers = Peers(state, forwarder)
@@ -277,3 +279,92 @@ async def test_a_relayed_call_is_tried_elsewhere_only_if_nothing_reached_the_rep
         await state.close()
         listener.close()
         thread.join(5)
+
+
+def _refusing_url() -> str:
+    """A loopback port bound but not listening: a connection to it is refused, as to a replica that stopped."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{unused.getsockname()[1]}"
+
+
+async def test_a_session_of_a_replica_that_stopped_answers_its_410_while_this_one_still_lists_that_replica_live(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica a read the live replicas just before b stopped (they stay fresh for a moment): the forward to b
+    is refused, so a reads them again, and finds b's session ended. A replica still listed live that
+    refuses is a 503, over HTTP and for a tool call alike."""
+    monkeypatch.setattr(state_module, "REPLICAS_FRESH_S", 3600.0)  # what a read just before the stop gives
+    a = RedisState(redis_server.url, "a", "http://127.0.0.1:1")
+    b = RedisState(redis_server.url, "b", _refusing_url())
+    await a.start()
+    await b.start()
+    await b.publish("session", SESSION, "alice", {})
+    forwarder = Forwarder(TOKEN)
+    peers = Peers(a, forwarder)
+    app = _as(Caller("alice"))(RouteToOwner(_here, lambda: peers))
+    request = CodeInterpreterRequest(code="1", session_id=SESSION)
+
+    async def tool_call() -> object:
+        async def there(node_url: str) -> object:
+            return await peers.call_tool(node_url, "code_interpreter", request, Caller("alice"), None)
+
+        async def here() -> object:
+            return "served here"
+
+        return await peers.at_owner("session", SESSION, Caller("alice"), there=there, here=here)
+
+    try:
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+            refused = await client.get(f"/sessions/{SESSION}")
+            assert refused.status_code == 503, refused.text
+            assert "cannot be reached" in refused.json()["error"]
+            with pytest.raises(ReplicaUnreachable):
+                await tool_call()
+            # b stops as a replica does: its sessions end `stopped`, its records go, then its heartbeat.
+            await b.bury(SESSION, "alice", "stopped", keep_s=60)
+            await b.withdraw("session", SESSION)
+            await b.close()
+            ended = await client.get(f"/sessions/{SESSION}")
+            assert (ended.status_code, ended.json()["reason"]) == (410, "stopped"), ended.text
+        with pytest.raises(Gone, match="stopped"):
+            await tool_call()
+    finally:
+        await forwarder.aclose()
+        await a.close()
+
+
+class _SessionsHere:
+    """This replica's sessions, as `open_session` sees them: full past its share, so the fleet is asked."""
+
+    open_count = 5
+    limits = SimpleNamespace(max_sessions=4)
+
+    def __init__(self) -> None:
+        self.created: list[SessionCreateRequest] = []
+
+    async def create(self, request: SessionCreateRequest, caller: Caller) -> str:
+        self.created.append(request)
+        return "opened here"
+
+
+async def test_a_new_session_whose_chosen_replica_refuses_the_connection_opens_here(redis_server: RedisServer) -> None:
+    """The replica that holds the fewest sessions was chosen, but refused the connection (nothing reached
+    it): the session opens on this replica, whose own admission decides, instead of a 503."""
+    a = RedisState(redis_server.url, "a", "http://127.0.0.1:1")
+    b = RedisState(redis_server.url, "b", _refusing_url())
+    b.load = lambda: {"sessions": 0}
+    await a.start()
+    await b.start()
+    forwarder = Forwarder(TOKEN)
+    sessions = _SessionsHere()
+    svc = SimpleNamespace(peers=Peers(a, forwarder), sessions=sessions)
+    try:
+        assert await svc.peers.session_home(sessions.open_count, sessions.limits.max_sessions) == b.node_url
+        opened: object = await open_session(svc, SessionCreateRequest())  # type: ignore[arg-type]
+    finally:
+        await forwarder.aclose()
+        await a.close()
+        await b.close()
+    assert opened == "opened here"
+    assert len(sessions.created) == 1

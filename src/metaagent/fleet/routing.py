@@ -30,9 +30,9 @@ import json
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote_to_bytes
 
 import anyio
@@ -51,6 +51,8 @@ from metaagent.tenancy import LOCAL, Caller, may_access
 
 log = logging.getLogger("metaagent")
 
+T = TypeVar("T")
+
 TOKEN_HEADER = b"x-metaagent-fleet-token"
 CALLER_HEADER = b"x-metaagent-fleet-caller"
 MCP_SESSION_HEADER = b"mcp-session-id"
@@ -66,6 +68,16 @@ _NOT_FORWARDED = _HOP_BY_HOP | {b"authorization", TOKEN_HEADER, CALLER_HEADER}
 
 class ReplicaUnreachable(Unavailable):
     """Another replica could not be reached: nothing was sent, so the call may go elsewhere."""
+
+
+_UNREACHABLE = "The replica that holds this cannot be reached right now; retry in a few seconds"
+# A forward or a relayed call that failed with one of these never reached the other replica: it may go elsewhere.
+_NOTHING_SENT = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
+
+
+def _unreachable(node_url: str, exc: Exception) -> ReplicaUnreachable:
+    log.warning("fleet: the replica at %s could not be reached: %s", node_url, type(exc).__name__)
+    return ReplicaUnreachable(_UNREACHABLE)
 
 
 class _CallerHungUp(Exception):
@@ -162,6 +174,8 @@ class Forwarder:
             response = await self.http.send(request, stream=True)
         except _CallerHungUp:
             return
+        except _NOTHING_SENT as exc:
+            raise _unreachable(node_url, exc) from None
         except httpx2.TransportError as exc:
             log.warning("fleet: the replica at %s could not be reached: %s", node_url, type(exc).__name__)
             await send_json_error(
@@ -232,18 +246,19 @@ class RouteToOwner:
         if _has_dot_segments(scope):  # a URL client would resolve them: the forward would reach another route
             await send_json_error(send, 400, "A path with . or .. segments is refused: name the resource directly")
             return
+
+        async def there(node_url: str) -> None:
+            await peers.forwarder.forward(node_url, scope, receive, send)
+
+        async def here() -> None:  # not the fleet's to answer: this replica's 404 (or its own 410)
+            await self.app(scope, receive, send)
+
         try:
-            node_url = await peers.owner_of(kind, record_id, caller_of_scope(scope))
-        except SharedStateUnavailable as exc:
+            await peers.at_owner(kind, record_id, caller_of_scope(scope), there=there, here=here)
+        except (SharedStateUnavailable, ReplicaUnreachable) as exc:
             await send_json_error(send, 503, exc.message)
-            return
         except Gone as gone:
             await _send_gone(send, gone)
-            return
-        if node_url is not None:
-            await peers.forwarder.forward(node_url, scope, receive, send)
-            return
-        await self.app(scope, receive, send)  # not the fleet's to answer: this replica's 404 (or its own 410)
 
 
 def _publishing_mcp_session(state: SharedState, caller: Caller, send: Send) -> Send:
@@ -377,6 +392,36 @@ class Peers:
             raise Gone(f"Session {record_id} has ended: {tombstone.reason}", reason=tombstone.reason)
         return None
 
+    async def at_owner(
+        self,
+        kind: Kind,
+        record_id: str,
+        caller: Caller,
+        *,
+        there: Callable[[str], Awaitable[T]],
+        here: Callable[[], Awaitable[T]],
+    ) -> T:
+        """`there(url)` for the other replica that holds the record (`owner_of`), else `here()`.
+
+        A replica that refuses the connection (nothing was sent) may just have stopped, and this replica may
+        still list it live (the replicas read up to REPLICAS_FRESH_S ago): the replicas are read from Redis
+        again and the record found again, once. So a session of a replica that stopped answers its 410
+        `stopped`, not a 503; a replica still listed live that refuses is ReplicaUnreachable (a 503)."""
+        refused: str | None = None
+        while True:
+            node_url = await self.owner_of(kind, record_id, caller)
+            if node_url is None:
+                return await here()
+            if node_url == refused:
+                raise ReplicaUnreachable(_UNREACHABLE)
+            try:
+                return await there(node_url)
+            except ReplicaUnreachable:
+                if refused is not None:
+                    raise
+                refused = node_url
+                self.state.forget_replicas()
+
     async def call_tool(
         self, node_url: str, tool: str, request: BaseModel, caller: Caller, sink: OutputSink | None
     ) -> BaseModel:
@@ -406,11 +451,8 @@ class Peers:
                         return Relayed.model_validate(data)
                     elif event.event == "error":
                         raise service_error_of(data.pop("status", 502), data)
-        except (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout) as exc:  # nothing was sent
-            log.warning("fleet: the replica at %s could not be reached: %s", node_url, type(exc).__name__)
-            raise ReplicaUnreachable(
-                "The replica that holds this session cannot be reached right now; retry in a few seconds"
-            ) from None
+        except _NOTHING_SENT as exc:
+            raise _unreachable(node_url, exc) from None
         except httpx2.TransportError as exc:  # it may have run: never run it again elsewhere
             log.warning("fleet: the replica at %s broke off its answer: %s", node_url, type(exc).__name__)
             raise UpstreamError(

@@ -121,6 +121,10 @@ class SharedState(Protocol):
     async def listing(self, kind: Kind) -> list[Placed]: ...
     async def nodes(self) -> dict[str, str]: ...
     async def replicas(self) -> dict[str, Replica]: ...
+    def forget_replicas(self) -> None:
+        """Drops the live replicas read last, so that the next question reads them from Redis again."""
+        ...
+
     async def bury(self, record_id: str, owner: str | None, reason: str, keep_s: float) -> None: ...
     async def tombstone(self, record_id: str) -> Tombstone | None: ...
 
@@ -198,6 +202,9 @@ class LocalState:
 
     async def replicas(self) -> dict[str, Replica]:
         return {self.node_id: Replica(self.node_url, {})}
+
+    def forget_replicas(self) -> None:
+        pass
 
     async def bury(self, record_id: str, owner: str | None, reason: str, keep_s: float) -> None:
         self._tombstones[record_id] = (Tombstone(owner, reason), time.monotonic() + keep_s)
@@ -449,6 +456,9 @@ class RedisState:
         found = dict(await self._call("listing the replicas", read()))
         self._replicas = (now, found)
         return found
+
+    def forget_replicas(self) -> None:
+        self._replicas = None
 
     async def bury(self, record_id: str, owner: str | None, reason: str, keep_s: float) -> None:
         value = json.dumps({"owner": owner, "reason": reason})
