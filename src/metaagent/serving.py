@@ -8,14 +8,18 @@ uvicorn is configured with (`http=`):
   it, and a head still arriving is cut off there, so no connection makes the parser buffer more than that
   and one read;
 - a request the parser cannot read gets a 400 JSON answer that names what was wrong, and the connection
-  is closed; an upgrade request (`Connection: upgrade`, CONNECT) is served as an ordinary request when it
+  is closed; behind pipelined requests, that answer waits for theirs (a queued request whose body was bad
+  never runs: the 400 is its answer); an upgrade request (`Connection: upgrade`, CONNECT) is served as an ordinary request when it
   has no body, and refused with a 400 when it has one (the service upgrades to nothing);
 - the request line and headers must arrive within `METAAGENT_CLIENT_HEADER_TIMEOUT_S` of the connection
-  (or, on a kept-alive connection, of the request's first byte); past it, a 408 if a byte came, else the
-  connection is closed without a word;
+  (or, on a kept-alive connection, of the request's first byte, or of the answer before it if it began
+  while that was being answered: its bytes still count against the 16 KiB); past it, a 408 if a byte
+  came, else the connection is closed without a word;
 - chunk sizes, extensions and trailers are bounded like a head (a 400 past 16 KiB at once), and trailers
   are dropped, never made headers; a request target must be a path (an absolute URL names its server in
-  place of the Host header the host check reads); at most `MAX_PIPELINED` requests are read ahead;
+  place of the Host header the host check reads); at most `MAX_PIPELINED` requests are read ahead (a
+  429 after their answers, and the connection closes); a client that half-closes (`shutdown(SHUT_WR)`)
+  after whole requests gets their answers, then the connection closes;
 - while a request body is being sent, each chunk must come within `METAAGENT_CLIENT_BODY_TIMEOUT_S` of
   the one before, or of the route asking for more (the clock does not run while the service itself
   holds reading back, or before it asked a client that waits for `100 Continue`); past it, the
@@ -74,7 +78,7 @@ log = logging.getLogger("metaagent.connections")
 # The largest request line and headers together: past it, a 431.
 MAX_HEAD_BYTES = 16 * 1024
 # At most this many requests pipelined behind the one being answered are read; then the connection is
-# closed after their answers.
+# closed after their answers and a 429.
 MAX_PIPELINED = 16
 # An explicit METAAGENT_MAX_CONNECTIONS may use at most this share of the open-file limit.
 MAX_SHARE_OF_NOFILE = 0.75
@@ -337,6 +341,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._counted = False
         self._phase = _Phase.HEAD
         self._unparsable = False
+        self._owed_refusal: _HeadRefused | None = None  # sent once the answers owed before it are
         self._running: RequestResponseCycle | None = None  # whose route runs (`cycle` may be pipelined after it)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = math.inf
@@ -484,10 +489,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             )
         log.info("refused a request from %s: %s", _peer(self.client), refused.message)
         self._unparsable = True
-        if self.pipeline or (self._phase is not _Phase.BODY and self._in_flight()):
-            # The bad bytes follow requests still being answered: their answers go out whole, and the last
-            # one closes the connection (an error answer now would land in the middle of them).
-            self.cycle.keep_alive = False
+        if self._phase is _Phase.BODY and self.pipeline and self.pipeline[0][0] is self.cycle:
+            # A queued request's body was bad: it never runs. (The newest cycle is the one before it.)
+            self.pipeline.popleft()
+            newest = self.pipeline[0][0] if self.pipeline else self._running
+            if newest is not None:
+                self.cycle = newest
+            self._phase = _Phase.HEAD
+        if self._phase is _Phase.HEAD and self._in_flight():
+            # The bad bytes follow requests still being answered: their answers go out whole, then the
+            # refusal, and the connection closes (an error answer now would land in the middle of them).
+            self._owed_refusal = refused
             self.flow.pause_reading()
             return
         in_flight = self._in_flight()
@@ -554,10 +566,25 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self._idle_since = self.loop.time()
-        self._head_started = None
-        self._head_bytes = 0
+        if self._head_bytes:  # the next request's head had begun: its clock starts now, its bytes still count
+            self._head_started = self._idle_since
+        else:
+            self._head_started = None
         super().on_response_complete()
+        if self._owed_refusal is not None and not self._in_flight() and not self.transport.is_closing():
+            refused, self._owed_refusal = self._owed_refusal, None
+            self.transport.write(_raw_json_response(refused.status, refused.reason, refused.message))
+            self.transport.close()
+            return
         self._update()
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio's signature; uvicorn's is narrower
+        """The client has sent all it will (a half-close): the requests it sent whole are still answered,
+        and the connection closes after the last. A request cut short is a hang-up."""
+        if self._phase is _Phase.HEAD and self._in_flight():
+            self.cycle.keep_alive = False
+            return True  # the transport stays open for the answers
+        return None
 
     # --- the deadlines ---------------------------------------------------------------------------------
 
