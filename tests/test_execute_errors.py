@@ -53,3 +53,29 @@ async def test_an_engine_failure_mid_execution_is_raised_as_itself_and_the_conta
         await execute(engine, SPEC, b"", execution, timeout_s=5, grace_s=1, ready_marker=b"")
     assert engine.removed == ["c1"]
     engine.theirs.close()
+
+
+class EngineWhoseSandboxEndsWith(EngineThatDiesWhileWaiting):
+    """Pure logic: the container ends with `exit_code` while its memory cgroup's record says `oom`."""
+
+    def __init__(self, exit_code: int, oom: bool) -> None:
+        super().__init__()
+        self.exit_code, self.oom = exit_code, oom
+
+    async def wait(self, container_id: str) -> int:
+        self.theirs.close()
+        return self.exit_code
+
+    def saw_oom(self, container_id: str) -> bool:
+        return self.oom
+
+
+@pytest.mark.parametrize(("exit_code", "oom"), [(2, True), (1, False)])
+async def test_a_failed_exit_is_an_oom_kill_when_the_memory_cgroup_saw_one_whatever_its_code(
+    exit_code: int, oom: bool
+) -> None:
+    """Under runsc the cgroup's kill can land on gVisor's own kernel, whose death exits 2, not 137."""
+    engine: Any = EngineWhoseSandboxEndsWith(exit_code, oom)
+    outcome = await execute(engine, SPEC, b"", Execution("exe_x", 5, 256), timeout_s=5, grace_s=1, ready_marker=b"")
+    assert (outcome.exit_code, outcome.oom_killed) == (exit_code, oom)
+    assert engine.removed == ["c1"]

@@ -95,5 +95,10 @@ def test_twenty_memory_kills_in_a_row_are_each_reported_oom_killed(run_js: RunJs
     results = [run_js(MEMORY_HOG, timeout_s=60) for _ in range(KILLS_IN_A_ROW)]
     unreported = metric_value(sandbox_service, "metaagent_oom_kills_unreported_total") - unreported_before
     outcomes = [(result.exit_code, result.body["oom_killed"], result.body["timed_out"]) for result in results]
-    assert outcomes == [(137, True, False)] * KILLS_IN_A_ROW, f"{outcomes}; {unreported:g} the engine missed"
+    odd = [result.body["stderr"][-500:] for result in results if result.exit_code != 137]  # for the diagnosis
+    # 137, the kill's SIGKILL; under runsc the kill can land on gVisor's own kernel, whose death exits 2.
+    assert [(oom, timed_out) for _, oom, timed_out in outcomes] == [(True, False)] * KILLS_IN_A_ROW, (
+        f"{outcomes}; {unreported:g} the engine missed; {odd}"
+    )
+    assert {exit_code for exit_code, _, _ in outcomes} <= {137, 2}, f"{outcomes}; {odd}"
     print(f"{KILLS_IN_A_ROW} kills: the engine's report missed {unreported:g}, the cgroup's notification none")

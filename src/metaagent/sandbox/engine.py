@@ -383,6 +383,10 @@ class Engine:
             cpu_shares=RUNNING_CPU_SHARES,
         )
 
+    def saw_oom(self, container_id: str) -> bool:
+        """Whether the container's memory cgroup saw an OOM kill (the watch's record, while it is kept)."""
+        return self.oom_watch.saw_oom(container_id)
+
     async def kill(self, container_id: str, signal: str) -> None:
         def kill() -> None:
             try:

@@ -313,12 +313,18 @@ async def _run(
     output.finish()  # the stream is drained: a listener gets the last piece before the outcome exists
     exit_code = status[0] if status else None
     oom_killed = False
-    # The OOM killer's kill is a SIGKILL, an exit of 137 (node and dumb-init are all the container runs):
-    # the engine is asked whether it was one only then, or when the wait did not say how it ended.
+    # The OOM killer's kill is a SIGKILL, an exit of 137 (the program and dumb-init are all the container
+    # runs): the engine is asked whether it was one then, or when the wait did not say how it ended.
     if exit_code in (None, _SIGKILL_EXIT):
         state = await engine.state(container_id)
         exit_code = state.exit_code if exit_code is None else exit_code
         oom_killed = state.oom_killed
+    elif exit_code != 0:
+        # Under runsc the cgroup's kill can land on one of gVisor's own processes instead, and the sandbox
+        # may then end with its own failure's code (gVisor's kernel dying exits 2). So any failed exit asks
+        # the memory cgroup's record (kept in this process: no engine call); an OOM there killed the
+        # program, whatever code the sandbox's end gave.
+        oom_killed = engine.saw_oom(container_id)
     return Outcome(
         container_id=container_id,
         exit_code=exit_code,
