@@ -9,8 +9,9 @@ uvicorn is configured with (`http=`):
   and one read;
 - a request the parser cannot read gets a 400 JSON answer that names what was wrong, and the connection
   is closed; behind pipelined requests, that answer waits for theirs (a queued request whose body was bad
-  never runs: the 400 is its answer); an upgrade request (`Connection: upgrade`, CONNECT) is served as an ordinary request when it
-  has no body, and refused with a 400 when it has one (the service upgrades to nothing);
+  never runs: the 400 is its answer); an upgrade request (`Connection: upgrade`, CONNECT) is served as
+  an ordinary request when it has no body, and refused with a 400 when it has one (the service upgrades
+  to nothing);
 - the request line and headers must arrive within `METAAGENT_CLIENT_HEADER_TIMEOUT_S` of the connection
   (or, on a kept-alive connection, of the request's first byte, or of the answer before it if it began
   while that was being answered: its bytes still count against the 16 KiB); past it, a 408 if a byte
