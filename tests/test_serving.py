@@ -490,15 +490,35 @@ def test_a_queued_request_with_a_bad_body_is_refused_at_its_turn_and_never_run(
 
 
 @pytest.mark.security
-def test_a_client_that_half_closes_after_its_requests_gets_every_answer(quick_deadlines: ServiceProcess) -> None:
-    """`shutdown(SHUT_WR)` says the client has sent all it will, not that it is gone: what it sent whole is
-    answered, and the connection closes after the last answer."""
-    with socket.create_connection(("127.0.0.1", quick_deadlines.port), timeout=30) as sock:
-        sock.sendall(f"GET /openapi.json HTTP/1.1\r\n{HEAD}\r\n".encode() * 8)
+def test_a_client_that_half_closes_and_takes_nothing_loses_its_connection_within_the_grace(
+    quick_deadlines: ServiceProcess,
+) -> None:
+    """A half-close is a hang-up; closed through the wrapper, the connection is aborted once the grace is
+    over, however much of its answers the client leaves unread (the transport's own close kept it)."""
+    with small_window_connection(quick_deadlines.port) as sock:
+        answered = fill_the_kernels_queue(quick_deadlines, sock)
+        sock.sendall(f"GET /openapi.json HTTP/1.1\r\n{HEAD}\r\n".encode())  # its answer stays in the service
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while quick_deadlines.stderr().count(answered[0]) <= answered[1]:
+            assert time.monotonic() < deadline, quick_deadlines.stderr()
+            time.sleep(0.05)
         sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while holds_connection(quick_deadlines.process.pid, sock.getsockname()[1]):
+            assert time.monotonic() < deadline, "the service still holds the half-closed connection"
+            time.sleep(0.05)
+
+
+@pytest.mark.security
+def test_a_head_begun_in_the_read_that_ended_the_request_before_it_gets_its_408(
+    quick_deadlines: ServiceProcess,
+) -> None:
+    """The next head's first bytes came in the same read as the request before it: its clock starts at
+    that request's answer and its deadline is the head's (a 408), not the idle connection's silent close."""
+    with socket.create_connection(("127.0.0.1", quick_deadlines.port), timeout=30) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\n{HEAD}\r\nGET /health HTTP/1.1\r\nX-Partial: ".encode())
         served = answers(read_until_closed(sock))
-    assert [status for status, _, _ in served] == [200] * 8
-    assert served[-1][1]["connection"] == "close"
+    assert [status for status, _, _ in served] == [200, 408]
 
 
 @pytest.mark.security
@@ -619,23 +639,29 @@ def test_a_connection_closed_after_its_last_answer_does_not_keep_its_descriptor_
 ) -> None:
     """uvicorn closes a connection itself after answering `Connection: close` (and at its keep-alive
     timer): the close waited for a client that never reads, descriptor held, for ever."""
-    request = f"GET /openapi.json HTTP/1.1\r\n{HEAD}\r\n".encode()
     with small_window_connection(quick_deadlines.port) as sock:
-        client_port = sock.getsockname()[1]
-        answered = f'127.0.0.1:{client_port} - "GET /openapi.json HTTP/1.1" 200'
-        queued = -1
-        for sent in range(1, 400):  # 54 KB answers, one at a time, until the kernel's queue is full
-            sock.sendall(request)
-            deadline = time.monotonic() + CLOSE_WAIT_S
-            while quick_deadlines.stderr().count(answered) < sent:
-                assert time.monotonic() < deadline, quick_deadlines.stderr()
-                time.sleep(0.05)
-            now_queued = send_queue(quick_deadlines.port, client_port)
-            if now_queued - queued < 40_000:
-                break
-            queued = now_queued
+        fill_the_kernels_queue(quick_deadlines, sock)
         sock.sendall(f"GET /health HTTP/1.1\r\n{HEAD}Connection: close\r\n\r\n".encode())
         deadline = time.monotonic() + CLOSE_WAIT_S
-        while holds_connection(quick_deadlines.process.pid, client_port):
+        while holds_connection(quick_deadlines.process.pid, sock.getsockname()[1]):
             assert time.monotonic() < deadline, "the service still holds the connection"
             time.sleep(0.05)
+
+
+def fill_the_kernels_queue(service: ServiceProcess, sock: socket.socket) -> tuple[str, int]:
+    """Asks for 54 KB answers one at a time and reads none, until the kernel's queue for the client is
+    full: what the service writes to it next stays in the service. Returns the answers' log line and count."""
+    client_port = sock.getsockname()[1]
+    answered = f'127.0.0.1:{client_port} - "GET /openapi.json HTTP/1.1" 200'
+    queued = -1
+    for sent in range(1, 400):
+        sock.sendall(f"GET /openapi.json HTTP/1.1\r\n{HEAD}\r\n".encode())
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while service.stderr().count(answered) < sent:
+            assert time.monotonic() < deadline, service.stderr()
+            time.sleep(0.05)
+        now_queued = send_queue(service.port, client_port)
+        if now_queued - queued < 40_000:
+            return answered, sent
+        queued = now_queued
+    raise AssertionError("the kernel's queue never filled")

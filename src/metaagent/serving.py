@@ -20,7 +20,8 @@ uvicorn is configured with (`http=`):
   are dropped, never made headers; a request target must be a path (an absolute URL names its server in
   place of the Host header the host check reads); at most `MAX_PIPELINED` requests are read ahead (a
   429 after their answers, and the connection closes); a client that half-closes (`shutdown(SHUT_WR)`)
-  after whole requests gets their answers, then the connection closes;
+  has hung up, as nginx takes it: a half-close cannot be told from a hang-up, and a hang-up stops what its
+  request runs;
 - while a request body is being sent, each chunk must come within `METAAGENT_CLIENT_BODY_TIMEOUT_S` of
   the one before, or of the route asking for more (the clock does not run while the service itself
   holds reading back, or before it asked a client that waits for `100 Continue`); past it, the
@@ -348,7 +349,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._timer_due = math.inf
         self._abort_timer: asyncio.TimerHandle | None = None
         self._head_started: float | None = None  # when the request line being waited for began (or the connection)
-        self._head_bytes = 0  # bytes received while waiting for it
+        self._head_bytes = 0  # bytes received while waiting for it (counted a slice at a time, see `_parse`)
+        self._head_begun = False  # the parser has begun the request waited for (its head came in part)
         self._idle_since: float | None = None  # when the last answer was sent
         self._last_read = 0.0  # the last body progress: bytes received, or reading resumed
         self._body_bytes = 0  # body bytes the parser has handed over, all requests together
@@ -528,6 +530,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             )
         super().on_message_begin()
         self._phase = _Phase.HEAD
+        self._head_begun = True
         if self._head_started is None:
             self._head_started = self.loop.time()
 
@@ -553,6 +556,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._phase = _Phase.BODY
         self._head_started = None
         self._head_bytes = 0
+        self._head_begun = False
         self._framing_bytes = 0
 
     def on_body(self, body: bytes) -> None:
@@ -567,11 +571,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self._idle_since = self.loop.time()
-        if self._head_bytes:  # the next request's head had begun: its clock starts now, its bytes still count
-            self._head_started = self._idle_since
-        else:
-            self._head_started = None
         super().on_response_complete()
+        if self._head_started is not None:  # the next request's head has begun: its clock starts now
+            self._head_started = self._idle_since
+            self._unset_keepalive_if_required()  # uvicorn's idle timer (armed above) would close it silently
         if self._owed_refusal is not None and not self._in_flight() and not self.transport.is_closing():
             refused, self._owed_refusal = self._owed_refusal, None
             self.transport.write(_raw_json_response(refused.status, refused.reason, refused.message))
@@ -579,13 +582,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         self._update()
 
-    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio's signature; uvicorn's is narrower
-        """The client has sent all it will (a half-close): the requests it sent whole are still answered,
-        and the connection closes after the last. A request cut short is a hang-up."""
-        if self._phase is _Phase.HEAD and self._in_flight():
-            self.cycle.keep_alive = False
-            return True  # the transport stays open for the answers
-        return None
+    def eof_received(self) -> bool:  # type: ignore[override]  # asyncio's signature; uvicorn's is narrower
+        """The client sent its end. A half-close (`shutdown(SHUT_WR)`, which a client that still reads
+        makes) cannot be told from a hang-up until an answer is written, and a hang-up must stop what its
+        request runs: so it is one, as nginx takes it. Closed through the wrapper, so that what the client
+        does not take is aborted after the grace; the transport closing itself would keep the descriptor
+        for as long as the client keeps its unread bytes."""
+        self.transport.close()
+        return True
 
     # --- the deadlines ---------------------------------------------------------------------------------
 
@@ -678,7 +682,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             )
             if self.scope is not None:
                 self.scope[CLOSED_REASON_SCOPE_KEY] = reason  # type: ignore[literal-required]  # our own key
-        elif self._head_started is not None and self._head_bytes:
+        elif self._head_started is not None and (self._head_bytes or self._head_begun):
             self.transport.write(
                 _raw_json_response(
                     408,
