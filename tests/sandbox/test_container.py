@@ -6,6 +6,7 @@ in-process module gate that would otherwise stop these programs earlier.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from metaagent.executions import Execution, new_execution_id
 from metaagent.languages.container import container_spec
 from metaagent.languages.javascript.image import image_tag
 from metaagent.packages.install import archive
-from metaagent.sandbox.engine import Engine, Mount
+from metaagent.sandbox.engine import OWNER_PID_LABEL, SERVICE_LABEL, Engine, Mount
 from metaagent.sandbox.execute import Outcome, execute
 from metaagent.sandbox.runtime import RUNC, RUNSC, Runtime
 
@@ -286,7 +287,9 @@ def test_a_package_volume_reveals_no_path_outside_the_engine_data_root(
     (tree / "probe").mkdir(parents=True)
     (tree / "probe" / "index.js").write_text("module.exports = 'from the volume';")
     volume = f"metaagent-npm-test-{new_execution_id()}"
-    labels = {"org.metaagent.service": "metaagent-test"}
+    # With this process as its owner: another service's start would otherwise remove its fill's helper
+    # container, halfway, as an orphan's.
+    labels = {SERVICE_LABEL: "metaagent-test", OWNER_PID_LABEL: str(os.getpid())}
 
     async def fill() -> None:
         engine = Engine()

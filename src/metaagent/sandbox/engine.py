@@ -506,7 +506,13 @@ class Engine:
                     if not api.put_archive(helper["Id"], "/fill", data):
                         raise EngineUnavailable(f"The engine refused to fill the volume {volume}")
             finally:
-                api.remove_container(helper["Id"], force=True)
+                try:
+                    api.remove_container(helper["Id"], force=True)
+                except docker.errors.NotFound:
+                    pass
+                except docker.errors.APIError as exc:
+                    if exc.status_code != 409:  # 409: another hand's removal is already in progress
+                        raise
 
         await self._run(fill, lane=self.bulk_lane)
 
