@@ -9,6 +9,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import anyio
@@ -21,6 +22,7 @@ from metaagent.sandbox.engine import ContainerState, Engine
 from metaagent.sandbox.execute import STDOUT_CAP, Prepared
 from metaagent.sandbox.output import Demultiplexer
 from metaagent.sandbox.session_container import SessionContainer
+from metaagent.sandbox.wire_socket import WireListener
 from metaagent.sessions.service import _checked_listing
 
 pytestmark = [pytest.mark.security]
@@ -226,3 +228,37 @@ def test_a_listing_of_well_formed_entries_is_believed() -> None:
     assert [f.path for f in _checked_listing({"files": entries})] == ["d/0.txt", "d/1.txt", "d/2.txt"]
     with pytest.raises(ValueError, match="10,000"):
         _checked_listing({"files": entries * 4000})
+
+
+async def test_frames_on_the_attach_stream_once_the_wire_socket_carries_them_end_the_session(
+    pair: tuple[socket.socket, socket.socket], tmp_path: Path
+) -> None:
+    """Once the supervisor is connected to its wire socket, nothing writes the container's stdout: a byte
+    there is a broken protocol, not a frame."""
+    service_end, container_end = pair
+    engine = FakeEngine()
+    listener = WireListener(tmp_path)
+    path = tmp_path / listener.path_in_container.rsplit("/", 1)[1]
+    prepared = Prepared("c0ffee", service_end, Demultiplexer(STDOUT_CAP, 25 * 1024), True, 0.5, True)
+    container = SessionContainer(cast(Engine, engine), prepared, grace_s=1, file_timeout_s=5, wire_listener=listener)
+    wire_end = socket.socket(socket.AF_UNIX)
+    ready = anyio.Event()
+
+    def supervisor() -> None:
+        container_end.recv(65536)  # the header, on the attach stream
+        wire_end.connect(str(path))
+        wire_end.sendall(READY)
+
+    thread = threading.Thread(target=supervisor, daemon=True)
+    thread.start()
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: container.run(b"{}\n", on_ready=ready.set))
+            await ready.wait()
+            container_end.sendall(muxed(frame(wire.REPLY, b'{"id": 0, "status": "ready"}')))
+            await container.ended.wait()
+    assert engine.signals == ["SIGKILL"]
+    assert container.end_reason == "killed"
+    assert not path.exists()
+    thread.join(10)
+    wire_end.close()

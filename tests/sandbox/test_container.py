@@ -18,9 +18,10 @@ from metaagent.executions import Execution, new_execution_id
 from metaagent.languages.container import container_spec
 from metaagent.languages.javascript.image import image_tag
 from metaagent.packages.install import archive
-from metaagent.sandbox.engine import OWNER_PID_LABEL, SERVICE_LABEL, Engine, Mount
+from metaagent.sandbox.engine import OWNER_PID_LABEL, SERVICE_LABEL, WIRE_DIR, Engine, Mount, sock_recv
 from metaagent.sandbox.execute import Outcome, execute
 from metaagent.sandbox.runtime import RUNC, RUNSC, Runtime
+from metaagent.sandbox.wire_socket import WireListener
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
 
@@ -265,17 +266,71 @@ def test_no_mount_reveals_a_path_of_the_service_or_its_users(
     # /etc/hostname, /etc/hosts and /etc/resolv.conf (under the engine's data root) and the engine's
     # masking of /proc and /sys paths; the code itself arrives on stdin, never through a mount.
     # Under runsc, gVisor's kernel shows no host path at all: every mount's root is its own "/".
+    # The wire volume (where a session's supervisor finds its socket) shows its folder under the engine's
+    # data root too.
     docker_files = {"/etc/hostname", "/etc/hosts", "/etc/resolv.conf"}
     for mount in mounts:
         if sandbox_runtime is RUNSC:
             assert mount["root"] == "/", mount
         elif mount["at"] in docker_files:
             assert mount["root"].startswith("/var/lib/docker/containers/"), mount
+        elif mount["at"] == WIRE_DIR:
+            assert mount["root"].startswith("/var/lib/docker/volumes/metaagent-wire-"), mount
         elif mount["root"] != "/":
             assert mount["at"].startswith(("/proc", "/sys", "/dev")), mount
     text = outcome.stdout.text()
     for host_path in ("/work/", "/root", str(tmp_path), "/var/cache/metaagent"):
         assert host_path not in text
+
+
+def test_the_wire_folder_cannot_be_listed_or_written_and_a_socket_in_it_is_reached_by_its_name(
+    sandbox_runtime: Runtime,
+) -> None:
+    """Every container has the wire volume (read-only): its sandboxed user can neither list it nor make a
+    file there, and reaches a session's socket only by the name the service gave it (wire_socket.py)."""
+    code = """
+    const fs = require('fs'); const net = require('net');
+    const outcome = (f) => { try { f(); return 'done'; } catch (e) { return e.code; } };
+    const found = { list: outcome(() => fs.readdirSync('/run/metaagent-wire')),
+                    write: outcome(() => fs.writeFileSync('/run/metaagent-wire/x.sock', '')) };
+    const wire = net.connect(process.argv[1]);
+    wire.on('connect', () => wire.end(JSON.stringify(found)));
+    wire.on('error', (e) => { console.log(JSON.stringify({ ...found, connect: e.code })); });
+    """
+
+    async def go() -> tuple[bytes, Outcome]:
+        engine = Engine()
+        try:
+            listener = WireListener(await engine.wire_folder())
+            execution = Execution(new_execution_id(), 30, 256)
+            command = ["/usr/bin/node", "-e", code, listener.path_in_container]
+            spec = container_spec(execution.execution_id, image_tag(), 256, 0.5, (), command, runtime=sandbox_runtime)
+            said, heard = b"", anyio.Event()
+            async with anyio.create_task_group() as group:
+
+                async def take() -> None:
+                    nonlocal said
+                    connection = await listener.accept()
+                    with connection:
+                        while chunk := await sock_recv(connection, 4096):
+                            said += chunk
+                    heard.set()
+
+                group.start_soon(take)
+                outcome = await execute(engine, spec, b"", execution, timeout_s=30, grace_s=2, ready_marker=b"")
+                with anyio.move_on_after(10):
+                    await heard.wait()
+                group.cancel_scope.cancel()
+            return said, outcome
+        finally:
+            await engine.remove_owned(within_s=30)
+            engine.close()
+
+    said, outcome = anyio.run(go)
+    assert outcome.exit_code == 0, outcome.stderr.text()
+    found = json.loads(said)
+    assert found["list"] == "EACCES", (said, outcome.stdout.text())
+    assert found["write"] in ("EROFS", "EACCES")  # runc's kernel checks the mount first, gVisor's the folder
 
 
 def test_a_package_volume_reveals_no_path_outside_the_engine_data_root(

@@ -265,6 +265,25 @@ def test_an_end_token_is_refused_where_the_code_runs_in_the_runners_own_process(
     assert "end_token is for a one-shot run of a program" in run.stderr
 
 
+@pytest.mark.parametrize(
+    ("header", "refusal"),
+    [
+        (b'{"session": true}', "a session's wire_socket must be a path under /run/metaagent-wire/"),
+        (b'{"session": true, "wire_socket": "/tmp/x.sock"}', "a session's wire_socket must be"),
+        (b'{"session": true, "wire_socket": "/run/metaagent-wire/../../tmp/abcdefghijklmnopqrstu.sock"}', "must be"),
+        (b'{"code_bytes": 0, "stdin_bytes": 0, "wire_socket": "/run/metaagent-wire/abcdefghijklmnopqrstuv.sock"}',
+         "wire_socket is for a session's supervisor"),
+    ],
+    ids=["a session without one", "outside the wire folder", "dot segments", "a one-shot run"],
+)  # fmt: skip
+def test_a_session_header_needs_its_wire_socket_in_the_wire_folder_and_nothing_else_takes_one(
+    client: docker.DockerClient, sandbox: str, header: bytes, refusal: str
+) -> None:
+    run = run_raw(client, sandbox, header + b"\n")
+    assert (run.exit_code, run.stdout) == (70, "")
+    assert refusal in run.stderr
+
+
 def test_truncated_payload_exits_70(client: docker.DockerClient, sandbox: str) -> None:
     run = run_raw(client, sandbox, b'{"code_bytes": 100, "stdin_bytes": 0}\nconsole.log("ran")')
     assert run.exit_code == 70

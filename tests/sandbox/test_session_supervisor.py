@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
+import docker
 import pytest
 
 from tests.sandbox.conftest import HealthProber, Sessions, health_latencies
@@ -176,3 +178,20 @@ def test_a_program_that_floods_its_output_between_calls_leaves_every_caller_serv
     assert later["stdout_truncated"] is True
     produced = int(later["stdout"].rsplit("[output truncated: ", 1)[1].split(" bytes", 1)[0])
     assert produced > 10 * 50 * 1024
+
+
+def test_no_wire_socket_outlives_its_supervisors_connection(
+    sessions: Sessions, python_sessions: Sessions, docker_client: docker.DockerClient
+) -> None:
+    """A session's frames go on a Unix socket the supervisor connects to (wire_socket.py): once sessions
+    of both languages run calls, the wire folder holds no name any program could connect to."""
+    opened = [sessions.create(), python_sessions.create(language="python")]
+    assert sessions.run(opened[0], "6 * 7")["result"] == "42"
+    assert python_sessions.run(opened[1], "6 * 7")["result"] == "42"
+    for service in (sessions.service, python_sessions.service):
+        (volume,) = [
+            v for v in docker_client.volumes.list() if v.name.startswith(f"metaagent-wire-{service.process.pid}-")
+        ]
+        folder = Path(volume.attrs["Mountpoint"])
+        assert folder.stat().st_mode & 0o777 == 0o711  # traversable, not listable, by the sandbox's user
+        assert list(folder.iterdir()) == []

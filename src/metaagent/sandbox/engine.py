@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal, ParamSpec, TypeVar
 
 import anyio
+import anyio.to_thread
 import docker
 import docker.errors
 import requests.exceptions
@@ -89,6 +90,10 @@ WAITS = Lane("waits", threads=1024, deadline_s=None, socket_timeout_s=None)
 # Archive uploads into a volume (a package set): large bodies.
 BULK = Lane("bulk", threads=4, deadline_s=300.0, socket_timeout_s=120.0)
 LANES = (CALLS, CONTROL, WAITS, BULK)
+
+
+# Where every container has this service's wire volume (read-only): a session's wire socket is there.
+WIRE_DIR = "/run/metaagent-wire"
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,8 @@ class Engine:
         self._clients_lock = threading.Lock()
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
         self.owner = f"{os.getpid()}-{secrets.token_hex(6)}"
+        self.wire_volume = f"metaagent-wire-{self.owner}"
+        self._wire_folder: Path | None = None
         # The kernel's record of OOM kills beside the engine's report, which under runsc misses some.
         self.oom_watch = OomWatch.of_this_host()
         # A running container's CPU limits set in its cgroup: faster than the engine's update, and the only
@@ -262,7 +269,28 @@ class Engine:
 
         return await self._run(find)
 
+    async def wire_folder(self) -> Path:
+        """This service's wire volume's folder (created at the first call): where a session's supervisor
+        finds the Unix socket of its wire (metaagent.sandbox.wire_socket). Every container has the volume,
+        read-only at WIRE_DIR, so that a warm container can serve a session or a one-shot run alike."""
+        if self._wire_folder is None:
+            labels = {SERVICE_LABEL: "metaagent", OWNER_PID_LABEL: str(os.getpid())}
+            with anyio.CancelScope(shield=True):  # abandoned halfway, it would be made twice: harmless, but kept
+                folder = Path(await self.create_volume(self.wire_volume, labels))
+            try:  # traversable by the sandbox's user, not listable: a socket is reached only by its secret name
+                await anyio.to_thread.run_sync(os.chmod, folder, 0o711)
+            except OSError as exc:
+                raise EngineUnavailable(
+                    f"The engine's volume folder {folder} is not reachable from the service ({exc.strerror}): "
+                    "run the service on the engine's machine"
+                ) from None
+            self._wire_folder = folder
+        return self._wire_folder
+
     async def create(self, spec: ContainerSpec) -> str:
+        await self.wire_folder()
+        wire = DockerMount(target=WIRE_DIR, source=self.wire_volume, type="volume", read_only=True)
+
         def create() -> str:
             ulimits = [Ulimit(name="nofile", soft=spec.nofile, hard=spec.nofile)]
             if spec.nproc is not None:
@@ -290,8 +318,11 @@ class Engine:
                 ipc_mode="none",  # no /dev/shm: --read-only does not cover it
                 log_config=LogConfig(type=LogConfig.types.NONE),  # output is read from the stream, never stored
                 mounts=[
-                    DockerMount(target=m.target, source=m.source, type=m.kind, read_only=m.read_only)
-                    for m in spec.mounts
+                    wire,
+                    *(
+                        DockerMount(target=m.target, source=m.source, type=m.kind, read_only=m.read_only)
+                        for m in spec.mounts
+                    ),
                 ],
             )
             try:
@@ -540,6 +571,10 @@ class Engine:
 
     def close(self) -> None:
         self.oom_watch.close()
+        if self._wire_folder is not None:  # kept while a container still has it: the next start's orphan
+            with contextlib.suppress(EngineUnavailable, docker.errors.APIError, requests.exceptions.RequestException):
+                self.api.remove_volume(self.wire_volume)
+            self._wire_folder = None
         clients, self._clients = self._clients, {}
         for client in clients.values():
             client.close()

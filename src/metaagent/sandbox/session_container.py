@@ -1,7 +1,9 @@
 """A session's container, seen from the service: its supervisor's frames in, requests out.
 
-One reader task per session reads the attach stream for the session's whole life (`run`): the
-supervisor's frames come on stdout (session_wire.py), its own raw writes to fd 2 on stderr. Output goes
+The session's header goes on the attach stream; then the supervisor connects to the session's wire
+socket (wire_socket.py), and the frames (session_wire.py) go both ways there. One reader task per
+stream reads it for the session's whole life (`run`): the wire's frames, and the attach stream's
+stderr, the supervisor's own raw writes to fd 2 (a byte on its stdout breaks the protocol). Output goes
 to the call that runs, or, between calls (a timer of an earlier call), to the next call: an output
 window runs from one call's answer to the next's, and holds at most what the caps keep (the supervisor
 forwards no more, and counts the rest in the next answer), so a flood costs the service at most one
@@ -15,7 +17,7 @@ session ends.
 
 A kill never waits on a caller: before the engine is asked, the session's download is cut (its bytes are
 dropped as they come, and its response is ended, see `Download.cut`) and the service's side of the attach
-stream is shut, so the engine can finish the container whatever a client reads.
+stream and of the wire is shut, so the engine can finish the container whatever a client reads.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ from metaagent.errors import sole_error
 from metaagent.executions import Execution
 from metaagent.latch import Latch, first_of
 from metaagent.sandbox import session_wire as wire
-from metaagent.sandbox.engine import Engine, EngineUnavailable
+from metaagent.sandbox.engine import Engine, EngineUnavailable, sock_recv, sock_sendall
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Prepared
 from metaagent.sandbox.figures import NO_FIGURES, Figures, checked_figures
 from metaagent.sandbox.output import CappedBuffer, OutputListener, OutputSink, Stream
+from metaagent.sandbox.wire_socket import WireListener
 
 log = logging.getLogger("metaagent.session")
 
@@ -159,11 +162,16 @@ class SessionContainer:
         grace_s: float,
         file_timeout_s: float,
         out_of_memory_message: str | None = None,
+        wire_listener: WireListener | None = None,
     ) -> None:
         """`out_of_memory_message`: the language's heap-exhausted line (`Language.out_of_memory_message`);
-        a process that ends after writing it on stderr ended out of memory."""
+        a process that ends after writing it on stderr ended out of memory. `wire_listener`: the socket the
+        supervisor connects to once it has its header (wire_socket.py); without one, the frames go on the
+        attach stream both ways."""
         self.engine = engine
         self.prepared = prepared
+        self._listener = wire_listener
+        self._wire = prepared.sock  # where the frames go both ways: the attach stream until `_take_wire`
         self.grace_s = grace_s
         self.out_of_memory_message = out_of_memory_message
         # A file request the runner does not begin to answer in this time (its event loop is blocked by
@@ -201,6 +209,8 @@ class SessionContainer:
                 group.start_soon(self._read)
                 await self._send(header)
                 with anyio.move_on_after(READY_TIMEOUT_S):
+                    if self._listener is not None and await self._take_wire():
+                        group.start_soon(self._read_wire)
                     await first_of(ready.done, self.ended)
                 if not ready.done.is_set():
                     await self.kill("exited")
@@ -213,8 +223,11 @@ class SessionContainer:
         finally:
             if not self.ended.is_set():  # a failure in the reader or the exit watch: the session ends too
                 self._end("killed")
-            _forget_descriptor(self.prepared.sock)
-            self.prepared.sock.close()
+            if self._listener is not None:
+                self._listener.close()
+            for sock in {self.prepared.sock, self._wire}:
+                _forget_descriptor(sock)
+                sock.close()
             with anyio.CancelScope(shield=True):
                 await self.remove()
 
@@ -242,11 +255,12 @@ class SessionContainer:
                 await self._killed.wait()
                 return
             self._killed = anyio.Event()
-            # Our side of the attach stream closes first: nothing more is read (the reader sees its end
-            # at once, instead of parsing what the runner still sends), and the engine, whose copy to us
-            # now fails, finishes the container without waiting for anyone to read it.
-            with contextlib.suppress(OSError):
-                self.prepared.sock.shutdown(socket.SHUT_RDWR)
+            # Our side of the attach stream and of the wire's socket closes first: nothing more is read
+            # (the readers see their end at once, instead of parsing what the runner still sends), and the
+            # engine, whose copy to us now fails, finishes the container without waiting for anyone to read it.
+            for sock in {self.prepared.sock, self._wire}:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
             try:
                 await self.engine.kill(self.container_id, "SIGKILL")
             except EngineUnavailable as exc:
@@ -284,15 +298,53 @@ class SessionContainer:
         self._exited.set()
         self._end("oom" if self.oom_killed else "exited")
 
+    async def _take_wire(self) -> bool:
+        """Takes the supervisor's connection to the wire's socket (or none, if the session ends first): from
+        then on the frames go both ways on it, and the attach stream carries the supervisor's fd 2 alone."""
+        listener = self._listener
+        if listener is None:
+            return False
+        taken: socket.socket | None = None
+        async with anyio.create_task_group() as group:
+
+            async def stop_at_the_end() -> None:
+                await self.ended.wait()
+                group.cancel_scope.cancel()
+
+            group.start_soon(stop_at_the_end)
+            taken = await listener.accept()
+            group.cancel_scope.cancel()
+        if taken is None:
+            return False
+        self.prepared.output.redirect(_NoFrames(), self._raw_stderr)
+        self._wire = taken
+        return True
+
     async def _read(self) -> None:
+        """Reads the attach stream: the frames too, until (and unless) the wire's socket carries them."""
+        await self._reading(self.prepared.read_some)
+        self._drained.set()  # the end itself is _watch_exit's to tell (exited or oom)
+
+    async def _read_wire(self) -> None:
+        async def read_some() -> bool:
+            await anyio.lowlevel.checkpoint()  # as Prepared.read_some: a flood never holds the event loop
+            try:
+                chunk = await sock_recv(self._wire, 65536)
+            except OSError:
+                return False
+            self._decoder.add(chunk)
+            return bool(chunk)
+
+        await self._reading(read_some)
+
+    async def _reading(self, read_some: Callable[[], Awaitable[bool]]) -> None:
         try:
-            while await self.prepared.read_some():
+            while await read_some():
                 await self._dispatch(self._decoder.take())
         except wire.WireError as exc:
             log.warning("session container %s broke the protocol (%s); ending it", self.container_id[:12], exc)
             self.end_reason = "killed"
             await self.engine.kill(self.container_id, "SIGKILL")
-        self._drained.set()  # the end itself is _watch_exit's to tell (exited or oom)
 
     async def _dispatch(self, frames: list[wire.Frame]) -> None:
         for frame in frames:
@@ -386,7 +438,7 @@ class SessionContainer:
         # a request nearly always fits, and the guard costs more than the container's whole answer. No
         # checkpoint after it either: a cancellation there would leave sent code unaccounted for.
         try:
-            taken = self.prepared.sock.send(data)
+            taken = self._wire.send(data)
         except (BlockingIOError, InterruptedError):
             taken = 0
         except OSError:
@@ -405,7 +457,7 @@ class SessionContainer:
             group.start_soon(stop_at_the_end)
             try:
                 with anyio.move_on_after(self.file_timeout_s if within_s is None else within_s):
-                    await self.prepared.send(data)
+                    await sock_sendall(self._wire, data)
                     sent = True
             except OSError:
                 group.cancel_scope.cancel()
@@ -619,6 +671,14 @@ class FileTooLarge(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(limit)
         self.limit = limit
+
+
+class _NoFrames:
+    """The attach stream's stdout once the frames go on the wire's socket: the supervisor writes nothing
+    there, so any byte is a broken protocol."""
+
+    def add(self, data: bytes) -> None:
+        raise wire.WireError("output on the attach stream's stdout, where the supervisor writes nothing")
 
 
 class _RawStderr:

@@ -56,6 +56,7 @@ from metaagent.sandbox.session_container import (
     SessionContainer,
     SessionGone,
 )
+from metaagent.sandbox.wire_socket import WireListener
 from metaagent.sessions.call_errors import call_error
 from metaagent.sessions.models import (
     FileDeleted,
@@ -401,16 +402,24 @@ class Sessions:
                 with anyio.CancelScope(shield=True):
                     await self.engine.remove(prepared.container_id)
                 raise
+        try:
+            if self._group is None:
+                raise Unavailable("Sessions are not being served yet; retry in a moment")
+            wire_listener = WireListener(await self.engine.wire_folder())  # closed by the container's run, always
+        except BaseException:
+            prepared.sock.close()
+            with anyio.CancelScope(shield=True):
+                await self.engine.remove(prepared.container_id)
+            raise
         container = SessionContainer(
             self.engine,
             prepared,
             grace_s=interpreter.grace_s,
             file_timeout_s=self.limits.file_timeout_s,
             out_of_memory_message=language.out_of_memory_message,
+            wire_listener=wire_listener,
         )
-        if self._group is None:
-            raise Unavailable("Sessions are not being served yet; retry in a moment")
-        header = session_payload(network.runner if network else None)
+        header = session_payload(network.runner if network else None, wire_listener.path_in_container)
         try:
             await self._group.start(self._serve, session, container, header)
         except SessionGone as gone:

@@ -67,6 +67,9 @@ const EGRESS_SOCKET_DIR = '/run/metaagent/';
 // process's child, as only then does this process know when the program has ended.
 const END_TOKEN_FIELD = 'end_token';
 const END_TOKEN = /^[0-9a-f]{32}$/;
+// A session's wire (wire_socket.py): the supervisor's one connection, by a name of 128 random bits.
+const WIRE_SOCKET_FIELD = 'wire_socket';
+const WIRE_SOCKET = /^\/run\/metaagent-wire\/[A-Za-z0-9_-]{22}\.sock$/;
 
 function badPayload(reason) {
   stdio.writeStderr(`metaagent-runner: bad payload: ${reason}\n`);
@@ -85,7 +88,7 @@ function parseHeader(line) {
   }
   for (const key of Object.keys(header)) {
     if (key !== 'code_bytes' && key !== 'stdin_bytes' && key !== SESSION_FIELD && key !== PROGRAM_FIELD
-      && key !== END_TOKEN_FIELD && !EGRESS_FIELDS.includes(key)) {
+      && key !== END_TOKEN_FIELD && key !== WIRE_SOCKET_FIELD && !EGRESS_FIELDS.includes(key)) {
       return badPayload(`unknown header field ${key}`);
     }
   }
@@ -93,6 +96,14 @@ function parseHeader(line) {
   if (SESSION_FIELD in header && !isSession) return badPayload('session must be true when given');
   const isProgram = header[PROGRAM_FIELD] === true;
   if (PROGRAM_FIELD in header && !(isProgram && isSession)) return badPayload('program must be true, in a session');
+  const wireSocket = header[WIRE_SOCKET_FIELD];
+  if (isSession && !isProgram) {
+    if (typeof wireSocket !== 'string' || !WIRE_SOCKET.test(wireSocket)) {
+      return badPayload(`a session's ${WIRE_SOCKET_FIELD} must be a path under /run/metaagent-wire/`);
+    }
+  } else if (WIRE_SOCKET_FIELD in header) {
+    return badPayload(`${WIRE_SOCKET_FIELD} is for a session's supervisor`);
+  }
   const endToken = header[END_TOKEN_FIELD];
   if (END_TOKEN_FIELD in header) {
     if (RUNS_JAVASCRIPT || isSession) return badPayload('end_token is for a one-shot run of a program');
@@ -127,6 +138,7 @@ function parseHeader(line) {
     extraCaBytes: egressConfig === null ? 0 : header.extra_ca_bytes,
     egress: egressConfig,
     endToken: END_TOKEN_FIELD in header ? endToken : null,
+    wireSocket: isSession && !isProgram ? wireSocket : null,
   };
 }
 
@@ -171,7 +183,7 @@ function readPayload(first = Buffer.alloc(0)) {
   }
   return {
     session: header.session, program: header.program, code, codeBytes, input, egress: egressConfig, rest,
-    endToken: header.endToken,
+    endToken: header.endToken, wireSocket: header.wireSocket,
   };
 }
 
@@ -223,7 +235,8 @@ function ready() {
 
 function serveJavaScript(payload) {
   if (payload.session && !payload.program) {
-    supervisor.runSupervisor({ stdio, programHeader: programHeader(payload.egress), initial: payload.rest });
+    if (payload.rest.length > 0) return badPayload('a session\'s requests come on its wire, not stdin');
+    supervisor.runSupervisor({ stdio, programHeader: programHeader(payload.egress), wirePath: payload.wireSocket });
     return;
   }
   if (payload.egress !== null) installEgress(payload.egress);
@@ -248,7 +261,8 @@ function serveProgram(child, payload) {
   if (payload.egress !== null) return badPayload('this language has no network here');
   if (payload.program) return badPayload('program must not be given to this runner');
   if (payload.session) {
-    supervisor.runSupervisor({ stdio, programHeader: programHeader(null), initial: payload.rest, program: child });
+    if (payload.rest.length > 0) return badPayload('a session\'s requests come on its wire, not stdin');
+    supervisor.runSupervisor({ stdio, programHeader: programHeader(null), wirePath: payload.wireSocket, program: child });
     return undefined;
   }
   const header = Buffer.from(`${JSON.stringify({ code_bytes: payload.codeBytes.length, stdin_bytes: payload.input.length })}\n`, 'utf8');

@@ -10,7 +10,9 @@
 // holds no descriptor of the wire: whatever it sends is data that this process frames, budgets and
 // checks, never a frame, a path or a size anyone believes.
 //
-// The wire to the service (fd 0 in, fd 1 out) is the one session_wire.py describes:
+// The wire to the service is a Unix socket of the session's own (its path in the session's header; the
+// service takes this process's connection and then unlinks it: wire_socket.py), both ways, and fd 2 for
+// this process's own last words. The frames are the ones session_wire.py describes:
 //   service -> supervisor                        supervisor -> service
 //   x {id, code}       run code                  o <bytes>   the program's stdout (within its budget)
 //   i {id}             interrupt that call       e <bytes>   the program's stderr (within its budget)
@@ -172,12 +174,27 @@ function frameReader(maxFrame, onFrame, onBad) {
   };
 }
 
-// `programHeader`: the bytes that start the program (its header line, and its CA bundle); `initial`:
-// what the service sent past this process's own header; `program`: a program already started and ready
-// (another language's, program.js), or none: this runner again, in its program role.
-function runSupervisor({ stdio, programHeader, initial, program: started }) {
-  const send = (type, payload) => stdio.writeAll(stdio.STDOUT, frame(type, payload));
-  const reply = (message) => stdio.writeAll(stdio.STDOUT, jsonFrame('r', message));
+// `programHeader`: the bytes that start the program (its header line, and its CA bundle); `wirePath`: the
+// wire's socket; `program`: a program already started and ready (another language's, program.js), or
+// none: this runner again, in its program role.
+function runSupervisor({ stdio, programHeader, wirePath, program: started }) {
+  const wire = net.connect(wirePath);
+  const unreachable = (error) => {
+    stdio.writeStderr(`metaagent-supervisor: the wire's socket cannot be reached (${error.code})\n`);
+    process.exit(EXIT_BAD_FRAME);
+  };
+  wire.once('error', unreachable);
+  wire.once('connect', () => {
+    wire.removeListener('error', unreachable);
+    supervise({ stdio, programHeader, wire, program: started });
+  });
+}
+
+function supervise({ stdio, programHeader, wire, program: started }) {
+  // Written to at once, synchronously, as fd 1 was: a frame is whole before anything else is done.
+  const wireFd = descriptorOf(wire);
+  const send = (type, payload) => stdio.writeAll(wireFd, frame(type, payload));
+  const reply = (message) => stdio.writeAll(wireFd, jsonFrame('r', message));
   const fail = (reason) => {
     stdio.writeStderr(`metaagent-supervisor: ${reason}\n`);
     process.exit(EXIT_BAD_FRAME);
@@ -612,22 +629,19 @@ function runSupervisor({ stdio, programHeader, initial, program: started }) {
 
   const consume = frameReader(MAX_INPUT_FRAME, handle, (reason) => fail(`bad request: ${reason}`));
   // Requests wait until the program is ready (the service sends none before this process says so, but
-  // one that came early keeps its place); fd 0 is read on the thread pool.
-  let early = initial;
+  // one that came early keeps its place).
+  let early = Buffer.alloc(0);
   startRequests = () => {
     const waiting = early;
     early = null;
     if (waiting.length > 0) consume(waiting);
   };
-  // fd 0 as a stream of the event loop, not reads on the thread pool: a read blocked there would hold
-  // up this process's exit (libuv joins its threads at exit), and the program's code would be lost.
-  const requests = new net.Socket({ fd: 0, readable: true, writable: false });
-  requests.on('data', (bytes) => {
+  wire.on('data', (bytes) => {
     if (early !== null) early = Buffer.concat([early, bytes]);
     else consume(bytes);
   });
-  requests.on('end', () => program.kill('SIGKILL')); // the service closed stdin: the session is over
-  requests.on('error', () => program.kill('SIGKILL'));
+  wire.on('end', () => program.kill('SIGKILL')); // the service closed the wire: the session is over
+  wire.on('error', () => program.kill('SIGKILL'));
 }
 
 module.exports = Object.freeze({ __proto__: null, runSupervisor });
