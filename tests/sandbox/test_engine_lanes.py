@@ -120,11 +120,14 @@ async def test_the_last_step_of_a_shutdown_removes_what_its_engine_made_and_noth
     other = await forgotten_container(theirs)
     try:
         with anyio.fail_after(FAILSAFE_S):
-            assert await ours.remove_owned(within_s=30) == 3
+            assert await ours.remove_owned(within_s=30) == 4  # its two containers, the volume, its wire volume
         left = {c.id for c in docker_client.containers.list(all=True, sparse=True)}
         assert left.isdisjoint(made)
         assert other in left
-        assert volume not in [v.name for v in docker_client.volumes.list()]
+        volumes = [v.name for v in docker_client.volumes.list()]
+        assert volume not in volumes
+        assert ours.wire_volume not in volumes
+        assert theirs.wire_volume in volumes
         assert await ours.remove_owned(within_s=30) == 0  # nothing more of its own
     finally:
         await theirs.remove(other)
