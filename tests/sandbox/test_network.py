@@ -34,7 +34,7 @@ from metaagent.errors import ConfigError, RequestRefused
 from metaagent.executions import Execution, new_execution_id
 from metaagent.languages.container import container_spec
 from metaagent.languages.javascript.image import image_tag
-from metaagent.sandbox.engine import Engine
+from metaagent.sandbox.engine import WIRE_DIR, Engine
 from metaagent.sandbox.execute import Outcome, execute
 from metaagent.sandbox.network import NetworkLimits, SandboxNetwork, read_extra_ca_certs
 from metaagent.sandbox.tunnel import (
@@ -421,7 +421,7 @@ def test_network_execution_reveals_no_host_path_outside_the_engine_data_root(
     data_root = docker_client.info()["DockerRootDir"]
     docker_files = {"/etc/hostname", "/etc/hosts", "/etc/resolv.conf"}
     for mount in report["mounts"]:
-        if mount["at"] in docker_files or mount["at"] == "/run/metaagent":
+        if mount["at"] in docker_files or mount["at"] in ("/run/metaagent", WIRE_DIR):  # the volumes
             assert mount["root"].startswith(f"{data_root}/"), mount
         elif mount["root"] != "/":
             assert mount["at"].startswith(("/proc", "/sys", "/dev")), mount
