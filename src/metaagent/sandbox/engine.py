@@ -289,7 +289,9 @@ class Engine:
 
     async def create(self, spec: ContainerSpec) -> str:
         await self.wire_folder()
-        wire = DockerMount(target=WIRE_DIR, source=self.wire_volume, type="volume", read_only=True)
+        # no_copy: the engine would otherwise copy an image's own folder there (its mode too, 0755 say) into
+        # the volume while it is empty, and the folder could then be listed.
+        wire = DockerMount(target=WIRE_DIR, source=self.wire_volume, type="volume", read_only=True, no_copy=True)
 
         def create() -> str:
             ulimits = [Ulimit(name="nofile", soft=spec.nofile, hard=spec.nofile)]

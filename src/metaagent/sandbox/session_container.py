@@ -305,15 +305,20 @@ class SessionContainer:
         if listener is None:
             return False
         taken: socket.socket | None = None
-        async with anyio.create_task_group() as group:
+        try:
+            async with anyio.create_task_group() as group:
 
-            async def stop_at_the_end() -> None:
-                await self.ended.wait()
+                async def stop_at_the_end() -> None:
+                    await self.ended.wait()
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stop_at_the_end)
+                taken = await listener.accept()
                 group.cancel_scope.cancel()
-
-            group.start_soon(stop_at_the_end)
-            taken = await listener.accept()
-            group.cancel_scope.cancel()
+        except BaseException:  # the ready deadline, just after the connection was taken
+            if taken is not None:
+                taken.close()
+            raise
         if taken is None:
             return False
         self.prepared.output.redirect(_NoFrames(), self._raw_stderr)
