@@ -94,6 +94,9 @@ LANES = (CALLS, CONTROL, WAITS, BULK)
 
 # Where every container has this service's wire volume (read-only): a session's wire socket is there.
 WIRE_DIR = "/run/metaagent-wire"
+# The longest path a Unix socket may have (sun_path holds 108 bytes, the last one the terminating NUL): the
+# sockets the service makes in the engine's volume folders (egress tunnels, session wires) are checked against it.
+MAX_UNIX_SOCKET_PATH = 107
 
 
 @dataclass(frozen=True)

@@ -87,13 +87,10 @@ def payload(code: str, stdin: str | None, egress: RunnerEgress | None = None, en
     return header + code_bytes + stdin_bytes + extra_ca
 
 
-def session_payload(egress: RunnerEgress | None = None, wire_socket: str | None = None) -> bytes:
-    """What makes a started runner a session's: its header (and extra CAs); requests follow (session_wire),
-    on the attach stream, or on the socket at `wire_socket` once the supervisor connects (wire_socket.py)."""
-    fields: dict[str, object] = {"session": True}
-    if wire_socket is not None:
-        fields["wire_socket"] = wire_socket
-    header, extra_ca = _header(fields, egress)
+def session_payload(egress: RunnerEgress | None, wire_socket: str) -> bytes:
+    """What makes a started runner a session's: its header (and extra CAs); requests follow (session_wire)
+    on the socket at `wire_socket`, once the supervisor connects (wire_socket.py)."""
+    header, extra_ca = _header({"session": True, "wire_socket": wire_socket}, egress)
     return header + extra_ca
 
 

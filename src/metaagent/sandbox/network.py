@@ -32,7 +32,15 @@ import anyio
 from metaagent.egress.allowlist import AllowList, PatternError, normalize_pattern
 from metaagent.egress.guard import EgressGuard
 from metaagent.errors import ConfigError, RequestRefused, Unavailable
-from metaagent.sandbox.engine import EXECUTION_LABEL, OWNER_PID_LABEL, SERVICE_LABEL, Engine, EngineUnavailable, Mount
+from metaagent.sandbox.engine import (
+    EXECUTION_LABEL,
+    MAX_UNIX_SOCKET_PATH,
+    OWNER_PID_LABEL,
+    SERVICE_LABEL,
+    Engine,
+    EngineUnavailable,
+    Mount,
+)
 from metaagent.sandbox.execute import RunnerEgress
 from metaagent.sandbox.tunnel import DEFAULT_TUNNEL_RATE, TunnelPolicy, TunnelStats, serving
 
@@ -40,7 +48,6 @@ log = logging.getLogger("metaagent.network")
 
 SOCKET_DIR = "/run/metaagent"  # in the container
 SOCKET_NAME = "egress.sock"
-MAX_UNIX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the last one the terminating NUL
 EXTRA_CA_SETTING = "METAAGENT_SANDBOX_EXTRA_CA_CERTS"
 MAX_EXTRA_CA_BYTES = 1024 * 1024
 _CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n[A-Za-z0-9+/=\r\n]+-----END CERTIFICATE-----")

@@ -29,9 +29,7 @@ import socket
 from pathlib import Path
 
 from metaagent.errors import Unavailable
-from metaagent.sandbox.engine import SANDBOX_UID, WIRE_DIR
-
-MAX_UNIX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the last one the terminating NUL
+from metaagent.sandbox.engine import MAX_UNIX_SOCKET_PATH, SANDBOX_UID, WIRE_DIR
 
 
 class WireListener:
