@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import subprocess
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import anyio
 import docker
@@ -19,7 +22,17 @@ import pytest
 from metaagent.executions import new_execution_id
 from metaagent.languages.container import container_spec
 from metaagent.languages.javascript.image import image_tag
-from metaagent.sandbox.engine import CALLS, CONTROL, OWNER_PID_LABEL, SERVICE_LABEL, Engine, EngineTimeout
+from metaagent.sandbox.engine import (
+    CALLS,
+    CONTROL,
+    OWNER_PID_LABEL,
+    SERVICE_LABEL,
+    WIRE_VOLUME_PREFIX,
+    ContainerSpec,
+    Engine,
+    EngineTimeout,
+    EngineUnavailable,
+)
 from tests.sandbox.private_engine import PrivateEngine, private_engine
 
 pytestmark = [pytest.mark.docker]
@@ -133,3 +146,64 @@ async def test_the_last_step_of_a_shutdown_removes_what_its_engine_made_and_noth
         await theirs.remove(other)
         ours.close()
         theirs.close()
+
+
+def _spec_named(name: str) -> ContainerSpec:
+    return replace(
+        container_spec(new_execution_id(), image_tag(), 64, 0.5, command=["/usr/bin/node", "-e", "0"]), name=name
+    )
+
+
+async def test_a_create_that_a_shutdown_overtakes_leaves_neither_its_container_nor_a_wire_volume(
+    docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shutdown's `close` removes the wire volume while a create is on its way to the engine: the engine
+    then makes the volume again for the new container's mount, with no labels, so that no sweep would ever
+    find it. The create undoes both and fails as a create after `close` does."""
+    engine = Engine()
+    await engine.wire_folder()
+    name = f"metaagent-overtaken-{new_execution_id()}"
+    real_create = engine._create_container
+
+    def overtaken(spec: ContainerSpec, host_config: dict[str, Any]) -> dict[str, Any]:
+        engine.close()  # the shutdown's last step, between the create's check and its engine call
+        return real_create(spec, host_config)
+
+    monkeypatch.setattr(engine, "_create_container", overtaken)
+    try:
+        with pytest.raises(EngineUnavailable, match="shutting down"):
+            await engine.create(_spec_named(name))
+        assert docker_client.containers.list(all=True, sparse=True, filters={"name": name}) == []
+        assert engine.wire_volume not in [v.name for v in docker_client.volumes.list()]
+        with pytest.raises(EngineUnavailable, match="shutting down"):  # and any create after it
+            await engine.create(_spec_named(name))
+        assert docker_client.containers.list(all=True, sparse=True, filters={"name": name}) == []
+    finally:
+        with contextlib.suppress(docker.errors.NotFound):
+            docker_client.api.remove_container(name, force=True)
+        with contextlib.suppress(docker.errors.NotFound):
+            docker_client.api.remove_volume(engine.wire_volume)
+
+
+def test_an_unlabelled_wire_volume_is_an_orphans_once_the_process_its_name_gives_is_gone(
+    docker_client: docker.DockerClient,
+) -> None:
+    """What a create overtaken by a shutdown left before the create undid it: a wire volume with no labels.
+    The start's orphan sweep reads the owner's pid from the name; a live owner's volume is kept."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    gone = f"{WIRE_VOLUME_PREFIX}{ended.pid}-{secrets.token_hex(6)}"
+    alive = f"{WIRE_VOLUME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+    for name in (gone, alive):
+        docker_client.api.create_volume(name=name, driver="local")
+    engine = Engine()
+    try:
+        anyio.run(engine.remove_orphans)
+        volumes = [v.name for v in docker_client.volumes.list()]
+        assert gone not in volumes
+        assert alive in volumes
+    finally:
+        engine.close()
+        for name in (gone, alive):
+            with contextlib.suppress(docker.errors.NotFound):
+                docker_client.api.remove_volume(name)

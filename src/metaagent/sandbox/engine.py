@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -94,6 +95,9 @@ LANES = (CALLS, CONTROL, WAITS, BULK)
 
 # Where every container has this service's wire volume (read-only): a session's wire socket is there.
 WIRE_DIR = "/run/metaagent-wire"
+# The wire volume's name: the prefix, then the engine's owner (the service's pid, a dash, 12 hex digits).
+WIRE_VOLUME_PREFIX = "metaagent-wire-"
+_WIRE_VOLUME_NAME = re.compile(rf"{WIRE_VOLUME_PREFIX}(\d+)-[0-9a-f]{{12}}")
 # The longest path a Unix socket may have (sun_path holds 108 bytes, the last one the terminating NUL): the
 # sockets the service makes in the engine's volume folders (egress tunnels, session wires) are checked against it.
 MAX_UNIX_SOCKET_PATH = 107
@@ -195,8 +199,9 @@ class Engine:
         self._clients_lock = threading.Lock()
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
         self.owner = f"{os.getpid()}-{secrets.token_hex(6)}"
-        self.wire_volume = f"metaagent-wire-{self.owner}"
+        self.wire_volume = f"{WIRE_VOLUME_PREFIX}{self.owner}"
         self._wire_folder: Path | None = None
+        self._closed = False
         # The kernel's record of OOM kills beside the engine's report, which under runsc misses some.
         self.oom_watch = OomWatch.of_this_host()
         # A running container's CPU limits set in its cgroup: faster than the engine's update, and the only
@@ -291,6 +296,7 @@ class Engine:
         return self._wire_folder
 
     async def create(self, spec: ContainerSpec) -> str:
+        self._refuse_when_closed()
         await self.wire_folder()
         # no_copy: the engine would otherwise copy an image's own folder there (its mode too, 0755 say) into
         # the volume while it is empty, and the folder could then be listed.
@@ -336,9 +342,25 @@ class Engine:
                 raise EngineUnavailable(
                     f"The sandbox image {spec.image} is missing; build it with `metaagent sandbox build`"
                 ) from None
+            if self._closed:
+                self._undo_create_after_close(str(container["Id"]))
             return str(container["Id"])
 
         return await self._run(create)
+
+    def _refuse_when_closed(self) -> None:
+        if self._closed:
+            raise EngineUnavailable("The service is shutting down: it starts no more containers")
+
+    def _undo_create_after_close(self, container_id: str) -> None:
+        """A create that `close` overtook: the engine made the wire volume again for its mount (a volume a
+        mount names is created when missing, with no labels, so no orphan sweep would know it). The
+        container and that volume go, here and now, and the create fails as any after `close` does."""
+        with contextlib.suppress(docker.errors.APIError, requests.exceptions.RequestException):
+            self.api.remove_container(container_id, force=True)
+        with contextlib.suppress(docker.errors.APIError, requests.exceptions.RequestException):
+            self.api.remove_volume(self.wire_volume)  # 409 while another such create holds it: its undo removes it
+        self._refuse_when_closed()
 
     def _create_container(self, spec: ContainerSpec, host_config: dict[str, Any]) -> dict[str, Any]:
         created: dict[str, Any] = self.api.create_container(
@@ -490,7 +512,19 @@ class Engine:
     async def remove_orphans(self) -> int:
         """Removes containers and volumes of service processes that no longer exist (a crash, a SIGKILL)."""
         removed = await self._remove_service_objects(lambda labels: not _owner_alive(labels))
-        return len(removed) + await self.remove_runtime_leftovers()
+        return len(removed) + await self._remove_unlabelled_wire_volumes() + await self.remove_runtime_leftovers()
+
+    async def _remove_unlabelled_wire_volumes(self) -> int:
+        """Wire volumes with no labels whose owner, named in the volume's name, is gone: what a create that
+        a shutdown overtook left before `create` undid its own (the engine makes a missing volume that a
+        mount names, without labels), which the label sweep cannot see."""
+        found = await self._run(self.api.volumes, filters={"name": WIRE_VOLUME_PREFIX})
+        removed = 0
+        for volume in found.get("Volumes") or []:
+            owner = _WIRE_VOLUME_NAME.fullmatch(volume["Name"])
+            if owner and not volume.get("Labels") and not _process_alive(int(owner[1])):
+                removed += await self.remove_volume(volume["Name"])
+        return removed
 
     async def remove_owned(self, within_s: float) -> int:
         """Removes every container and volume this process still owns, and waits (up to `within_s`) until
@@ -575,6 +609,7 @@ class Engine:
         return (labels or {}).get(OWNER_LABEL) == self.owner
 
     def close(self) -> None:
+        self._closed = True  # first: a create that runs on sees it, after its engine call (see create)
         self.oom_watch.close()
         if self._wire_folder is not None:  # kept while a container still has it: the next start's orphan
             with contextlib.suppress(EngineUnavailable, docker.errors.APIError, requests.exceptions.RequestException):
