@@ -7,7 +7,9 @@ and what `import pandas` costs in a warm runner against a cold interpreter, per 
   once: what a caller that sends one call after another gets, its refill under way); a call `1+1`
   into a Python session that stays open, twice: through httpx (the client the other sections use) and
   through the standard library's `http.client` on a kept-alive connection (the service's own latency:
-  httpx's own work per request is about 1 ms on this machine, and a caller's client is the caller's);
+  httpx's own work per request is about 1 ms on this machine, and a caller's client is the caller's),
+  and that call back to back (one call untimed, the next timed at once: every process on the call's way,
+  and the CPUs under them, still awake; a call after a pause pays for waking each, see the README);
   and `python3 -c pass` on the host. Every result is checked.
 - What the service's own process spends on a session call: its CPU time (the scheduler's sum over its
   threads, `/proc/<pid>/task/*/schedstat`) across each `http.client` call, and the same call's latency and
@@ -43,6 +45,7 @@ POOLED = "pooled print(1), pool ready"
 BACK_TO_BACK = "pooled print(1), back to back"
 SESSION_CALL = "session call 1+1"
 SESSION_CALL_LEAN = "session call 1+1, http.client"
+SESSION_CALL_LEAN_BACK_TO_BACK = "session call 1+1, http.client, back to back"
 FLOOR_CALL = "framework floor: the same request to FastAPI + uvicorn (httptools) that does nothing"
 BARE = "python3 -c pass (host, /usr/bin/python3)"
 TIMED_IMPORT = "import time\nt = time.perf_counter()\nimport pandas\nprint((time.perf_counter() - t) * 1000)"
@@ -207,6 +210,7 @@ def measure(
     caller = PythonService(service)
     assert service.process is not None
     lean = LeanCaller(service.port, service.process.pid)
+    lean_back_to_back = LeanCaller(service.port, service.process.pid)
     caller.wait_python_pool()
     session_id = caller.session()
     answer = caller.call(session_id, "1+1")
@@ -214,14 +218,19 @@ def measure(
         raise RuntimeError("the Python session does not add")
     floor = FrameworkFloor(answer)
 
-    with contextlib.closing(floor), contextlib.closing(lean):  # the floor's server stops, whatever happens
+    # The floor's server stops, whatever happens.
+    with contextlib.closing(floor), contextlib.closing(lean), contextlib.closing(lean_back_to_back):
         timed_calls: dict[str, Callable[[], object]] = {
             POOLED: lambda: caller.run("print(1)"),
             BACK_TO_BACK: lambda: caller.run("print(1)"),
             SESSION_CALL: lambda: caller.call(session_id, "1+1"),
             BARE: lambda: _bare(python),
         }
-        lean_callers = {SESSION_CALL_LEAN: lean, FLOOR_CALL: floor.caller}
+        lean_callers = {
+            SESSION_CALL_LEAN: lean,
+            SESSION_CALL_LEAN_BACK_TO_BACK: lean_back_to_back,
+            FLOOR_CALL: floor.caller,
+        }
 
         def contender(name: str) -> float:
             caller.wait_python_pool()
@@ -230,6 +239,8 @@ def measure(
             if name in lean_callers:
                 # A fresh connection, as the pool's wait just used httpx's (the floor answers its 404).
                 lean_callers[name].reconnect(session_id)
+                if name == SESSION_CALL_LEAN_BACK_TO_BACK:
+                    lean_callers[name].call(session_id, "1+1")  # untimed: the timed one follows it at once
                 lean_callers[name].call(session_id, "1+1")
                 return lean_callers[name].latency_ms[-1]
             return _timed(timed_calls[name])
@@ -252,10 +263,7 @@ def measure(
         "runtime": runtime,
         "summaries": summaries,
         "samples": samples,
-        "ratios": {
-            name: ratio(summaries[name]["p50"], bare)
-            for name in (POOLED, BACK_TO_BACK, SESSION_CALL, SESSION_CALL_LEAN, FLOOR_CALL)
-        },
+        "ratios": {name: ratio(summaries[name]["p50"], bare) for name in summaries if name != BARE},
         "import_pandas_ms": {"warm": warm_imports, "cold": cold_imports},
         # The server process's CPU per call, over the timed rounds only (the warm-up's calls come first).
         "server_cpu_ms": {
