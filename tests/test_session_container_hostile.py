@@ -4,6 +4,7 @@ at a bounded cost, while the event loop stays free for every other caller (issue
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -17,6 +18,7 @@ import anyio.lowlevel
 import pytest
 
 from metaagent.executions import Execution
+from metaagent.sandbox import session_container
 from metaagent.sandbox import session_wire as wire
 from metaagent.sandbox.engine import ContainerState, Engine
 from metaagent.sandbox.execute import STDOUT_CAP, Prepared
@@ -112,13 +114,20 @@ async def run_against(
     with anyio.fail_after(60):
         async with anyio.create_task_group() as group:
             group.start_soon(ticker)
-            group.start_soon(lambda: container.run(b"", on_ready=ready.set))
+            group.start_soon(run_until_it_ends, container, ready)
             if during is not None:
                 await ready.wait()
                 await during(container)
             await container.ended.wait()
             group.cancel_scope.cancel()
     return container, Turns(prepared.reads, ticks)
+
+
+async def run_until_it_ends(container: SessionContainer, ready: anyio.Event) -> None:
+    """`run`, which raises SessionGone when the stream broke before the runner's ready reply was read
+    (the writer's ready and its garbage can come in one read): ended either way."""
+    with contextlib.suppress(session_container.SessionGone):
+        await container.run(b"", on_ready=ready.set)
 
 
 def repeated(piece: bytes, total: int) -> Callable[[], Iterator[bytes]]:
@@ -230,17 +239,25 @@ def test_a_listing_of_well_formed_entries_is_believed() -> None:
         _checked_listing({"files": entries * 4000})
 
 
+def with_a_wire_socket(service_end: socket.socket, folder: Path) -> tuple[FakeEngine, SessionContainer, Path]:
+    """A session of container c0ffee on `service_end` whose wire socket is made in `folder` (its path)."""
+    engine = FakeEngine()
+    listener = WireListener(folder)
+    prepared = Prepared("c0ffee", service_end, Demultiplexer(STDOUT_CAP, 25 * 1024), True, 0.5, True)
+    container = SessionContainer(cast(Engine, engine), prepared, grace_s=1, file_timeout_s=5, wire_listener=listener)
+    return engine, container, folder / listener.path_in_container.rsplit("/", 1)[1]
+
+
 async def test_frames_on_the_attach_stream_once_the_wire_socket_carries_them_end_the_session(
-    pair: tuple[socket.socket, socket.socket], tmp_path: Path
+    pair: tuple[socket.socket, socket.socket], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Once the supervisor is connected to its wire socket, nothing writes the container's stdout: a byte
     there is a broken protocol, not a frame."""
+    # The stand-in supervisor is a thread of this process: taken for the container's own (a real container's
+    # connection is checked in tests/sandbox/test_container.py).
+    monkeypatch.setattr(session_container, "came_from", lambda _connection, _container_id: True)
     service_end, container_end = pair
-    engine = FakeEngine()
-    listener = WireListener(tmp_path)
-    path = tmp_path / listener.path_in_container.rsplit("/", 1)[1]
-    prepared = Prepared("c0ffee", service_end, Demultiplexer(STDOUT_CAP, 25 * 1024), True, 0.5, True)
-    container = SessionContainer(cast(Engine, engine), prepared, grace_s=1, file_timeout_s=5, wire_listener=listener)
+    engine, container, path = with_a_wire_socket(service_end, tmp_path)
     wire_end = socket.socket(socket.AF_UNIX)
     ready = anyio.Event()
 
@@ -262,3 +279,67 @@ async def test_frames_on_the_attach_stream_once_the_wire_socket_carries_them_end
     assert not path.exists()
     thread.join(10)
     wire_end.close()
+
+
+async def test_a_wire_connection_from_outside_the_container_ends_the_session_unserved(
+    pair: tuple[socket.socket, socket.socket], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whoever connects to a session's wire socket first, with its name, and is not in the session's
+    container (here: this process, not in container c0ffee), gets nothing: not one request is sent to it,
+    the session ends before it is ready, and the service's log says so."""
+    service_end, container_end = pair
+    engine, container, path = with_a_wire_socket(service_end, tmp_path)
+    intruder = socket.socket(socket.AF_UNIX)
+    ready = anyio.Event()
+
+    def connect_with_the_leaked_name() -> None:
+        container_end.recv(65536)  # the header, on the attach stream
+        intruder.connect(str(path))
+        intruder.sendall(frame(wire.REPLY, b'{"id": 0, "status": "ready"}'))
+
+    thread = threading.Thread(target=connect_with_the_leaked_name, daemon=True)
+    thread.start()
+    with anyio.fail_after(60), pytest.raises(session_container.SessionGone):
+        await container.run(b"{}\n", on_ready=ready.set)
+    assert not ready.is_set()
+    assert engine.signals == ["SIGKILL"]
+    assert container.end_reason == "exited"
+    assert not path.exists()
+    assert "came from outside it" in caplog.text
+    thread.join(10)
+    intruder.settimeout(5)
+    try:
+        sent = intruder.recv(65536)
+    except ConnectionResetError:  # closed with its frame unread
+        sent = b""
+    assert sent == b""  # nothing was sent to it
+    intruder.close()
+
+
+async def test_a_runner_that_exits_before_its_ready_reply_fails_the_open_rather_than_opening(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """The container ends before its runner said ready: the session's end settles every request waiting
+    for a reply, the ready one too, and that must not read as ready (a 201 answered, then a 410)."""
+    service_end, container_end = pair
+    engine = FakeEngine()
+    prepared = Prepared("c0ffee", service_end, Demultiplexer(STDOUT_CAP, 25 * 1024), True, 0.5, True)
+    container = SessionContainer(cast(Engine, engine), prepared, grace_s=1, file_timeout_s=5)
+    ready = anyio.Event()
+
+    async def exit_once_the_header_came() -> None:
+        await anyio.to_thread.run_sync(container_end.recv, 65536)
+        container_end.close()  # the container exits by itself: its stream ends, the engine's wait returns
+        engine.killed.set()
+
+    failed: list[session_container.SessionGone] = []
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            group.start_soon(exit_once_the_header_came)
+            try:
+                await container.run(b"{}\n", on_ready=ready.set)
+            except session_container.SessionGone as exc:
+                failed.append(exc)
+    assert failed, "the open did not fail"
+    assert not ready.is_set()
+    assert container.end_reason == "exited"

@@ -21,7 +21,7 @@ from metaagent.packages.install import archive
 from metaagent.sandbox.engine import OWNER_PID_LABEL, SERVICE_LABEL, WIRE_DIR, Engine, Mount, sock_recv
 from metaagent.sandbox.execute import Outcome, execute
 from metaagent.sandbox.runtime import RUNC, RUNSC, Runtime
-from metaagent.sandbox.wire_socket import WireListener
+from metaagent.sandbox.wire_socket import WireListener, came_from
 
 pytestmark = [pytest.mark.docker, pytest.mark.security]
 
@@ -287,7 +287,8 @@ def test_the_wire_folder_cannot_be_listed_or_written_and_a_socket_in_it_is_reach
     sandbox_runtime: Runtime,
 ) -> None:
     """Every container has the wire volume (read-only): its sandboxed user can neither list it nor make a
-    file there, and reaches a session's socket only by the name the service gave it (wire_socket.py)."""
+    file there, and reaches a session's socket only by the name the service gave it (wire_socket.py); the
+    connection is known to come from that container."""
     code = """
     const fs = require('fs'); const net = require('net');
     const outcome = (f) => { try { f(); return 'done'; } catch (e) { return e.code; } };
@@ -298,7 +299,7 @@ def test_the_wire_folder_cannot_be_listed_or_written_and_a_socket_in_it_is_reach
     wire.on('error', (e) => { console.log(JSON.stringify({ ...found, connect: e.code })); });
     """
 
-    async def go() -> tuple[bytes, Outcome]:
+    async def go() -> tuple[bytes, Outcome, dict[str, bool]]:
         engine = Engine()
         try:
             listener = WireListener(await engine.wire_folder())
@@ -306,11 +307,15 @@ def test_the_wire_folder_cannot_be_listed_or_written_and_a_socket_in_it_is_reach
             command = ["/usr/bin/node", "-e", code, listener.path_in_container]
             spec = container_spec(execution.execution_id, image_tag(), 256, 0.5, (), command, runtime=sandbox_runtime)
             said, heard = b"", anyio.Event()
+            peer: dict[str, bool] = {}
             async with anyio.create_task_group() as group:
 
                 async def take() -> None:
                     nonlocal said
                     connection = await listener.accept()
+                    assert execution.container_id is not None
+                    peer["its container"] = came_from(connection, execution.container_id)
+                    peer["another container"] = came_from(connection, "f" * 64)
                     with connection:
                         while chunk := await sock_recv(connection, 4096):
                             said += chunk
@@ -321,13 +326,15 @@ def test_the_wire_folder_cannot_be_listed_or_written_and_a_socket_in_it_is_reach
                 with anyio.move_on_after(10):
                     await heard.wait()
                 group.cancel_scope.cancel()
-            return said, outcome
+            return said, outcome, peer
         finally:
             await engine.remove_owned(within_s=30)
             engine.close()
 
-    said, outcome = anyio.run(go)
+    said, outcome, peer = anyio.run(go)
     assert outcome.exit_code == 0, outcome.stderr.text()
+    # The kernel's record of who connected names a process of this container (wire_socket.came_from).
+    assert peer == {"its container": True, "another container": False}
     found = json.loads(said)
     assert found["list"] == "EACCES", (said, outcome.stdout.text())
     assert found["write"] in ("EROFS", "EACCES")  # runc's kernel checks the mount first, gVisor's the folder

@@ -43,7 +43,7 @@ from metaagent.sandbox.engine import Engine, EngineUnavailable, sock_recv, sock_
 from metaagent.sandbox.execute import STDERR_CAP, STDOUT_CAP, Prepared
 from metaagent.sandbox.figures import NO_FIGURES, Figures, checked_figures
 from metaagent.sandbox.output import CappedBuffer, OutputListener, OutputSink, Stream
-from metaagent.sandbox.wire_socket import WireListener
+from metaagent.sandbox.wire_socket import WireListener, came_from
 
 log = logging.getLogger("metaagent.session")
 
@@ -212,8 +212,9 @@ class SessionContainer:
                     if self._listener is not None and await self._take_wire():
                         group.start_soon(self._read_wire)
                     await first_of(ready.done, self.ended)
-                if not ready.done.is_set():
-                    await self.kill("exited")
+                if not ready.message:  # `_end` settles every request, this one too: only the runner's reply is ready
+                    if not self.ended.is_set():
+                        await self.kill("exited")
                     raise SessionGone(self.end_reason or "exited")
                 on_ready()
                 await self.ended.wait()
@@ -320,6 +321,14 @@ class SessionContainer:
                 taken.close()
             raise
         if taken is None:
+            return False
+        if not came_from(taken, self.prepared.container_id):
+            taken.close()
+            log.warning(
+                "session container %s: its wire's one connection came from outside it; the session is ended",
+                self.prepared.container_id[:12],
+            )
+            await self.kill("exited")
             return False
         self.prepared.output.redirect(_NoFrames(), self._raw_stderr)
         self._wire = taken

@@ -13,7 +13,10 @@ How only that supervisor reaches the socket:
 - under a name of 128 random bits, which reaches the container only in the session's header: the runner
   reads that before any user code exists;
 - the service takes the first connection, then closes the listener and unlinks the name, before it
-  sends anything that could run code. No one connects after that, and no one could name it before.
+  sends anything that could run code. No one connects after that, and no one could name it before;
+- and that connection must come from the session's own container (`came_from`): the kernel's record of
+  the connecting process (SO_PEERCRED) names a process whose cgroup is the container's (the supervisor
+  under runc, the gVisor sandbox under runsc). So even a name that leaked would give no one the wire.
 
 The container's isolation stays the boundary: this is the service's own end of the wire, as the attach
 stream was, and everything that comes on it is checked the same way (session_wire.py).
@@ -26,6 +29,7 @@ import contextlib
 import os
 import secrets
 import socket
+import struct
 from pathlib import Path
 
 from metaagent.errors import Unavailable
@@ -70,3 +74,18 @@ class WireListener:
         self._sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path)
+
+
+def came_from(connection: socket.socket, container_id: str) -> bool:
+    """Whether the process at the other end of `connection` runs in the container `container_id`, by
+    the kernel's record of who connected: its pid, then that process's cgroups, which name the container
+    under runc and runsc alike. False where the pid is not this process's to see (a peer in another pid
+    namespace reads as 0), or gone."""
+    pid, _uid, _gid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    if pid <= 0 or not container_id:
+        return False
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="ascii", errors="replace") as cgroups:
+            return container_id in cgroups.read()
+    except OSError:
+        return False
