@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -13,7 +14,7 @@ import anyio.lowlevel
 import httpx2
 import pytest
 
-from metaagent.background import BackgroundTasks, logged
+from metaagent.background import BackgroundTasks, held_in, logged
 from metaagent.sessions.service import Sessions
 from tests.conftest import ServiceFactory
 
@@ -136,3 +137,38 @@ async def test_a_one_off_job_that_fails_is_logged_and_never_ends_its_task_group(
             group.start_soon(survivor)
     assert survivor_ran.is_set()
     assert any("the end of session ses_x failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+@asynccontextmanager
+async def a_task_group_held_open(fail_on_exit: bool) -> AsyncIterator[str]:
+    """What a session's network is: a task group kept open across the block (anyio's must be left by the
+    task that entered it)."""
+    async with anyio.create_task_group() as group:
+        group.start_soon(anyio.sleep_forever)
+        yield "entered"
+        group.cancel_scope.cancel()
+    if fail_on_exit:
+        raise RuntimeError("the exit failed")
+
+
+async def test_held_in_lets_another_task_leave_what_one_task_entered(caplog: pytest.LogCaptureFixture) -> None:
+    async with anyio.create_task_group() as group:
+        value, leave = await held_in(group, a_task_group_held_open(fail_on_exit=False), "a resource")
+        assert value == "entered"
+        async with anyio.create_task_group() as others:
+            others.start_soon(leave)  # another task: no "cancel scope in a different task" error
+        await leave()  # a second call waits for the same exit
+        value, leave = await held_in(group, a_task_group_held_open(fail_on_exit=True), "a failing resource")
+        await leave()  # its failure is logged, never raised into `group`
+    assert "leaving a failing resource failed" in caplog.text
+
+
+async def test_held_in_raises_a_failure_to_enter_to_its_caller() -> None:
+    @asynccontextmanager
+    async def refused() -> AsyncIterator[None]:
+        raise ValueError("no volume")
+        yield
+
+    async with anyio.create_task_group() as group:
+        with pytest.raises(ValueError, match="no volume"):
+            await held_in(group, refused(), "a refused resource")

@@ -3,6 +3,10 @@ after a back-off, and `/health` names a task that is not running (`BackgroundTas
 
 `logged` is for one-off background jobs (a kill the reaper starts): a failure is logged and goes no
 further, so it never ends the task group that holds the others.
+
+`held_in` enters an async context manager in a task of its own, so that any task may end it: anyio's task
+groups and cancel scopes must be left by the task that entered them, and a session's resources are entered
+by the request that opens it and left by the task that serves it (or by a close, or the reaper).
 """
 
 from __future__ import annotations
@@ -10,8 +14,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -19,6 +24,8 @@ import anyio.abc
 from metaagent.errors import MetaAgentError
 
 log = logging.getLogger("metaagent.background")
+
+T = TypeVar("T")
 
 MIN_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
@@ -111,4 +118,35 @@ async def logged(what: str, job: Callable[..., Awaitable[object]], *args: Any) -
         log.exception("%s failed", what)
 
 
-__all__ = ["BackgroundTasks", "TaskState", "logged"]
+async def held_in(
+    group: anyio.abc.TaskGroup, manager: AbstractAsyncContextManager[T], what: str
+) -> tuple[T, Callable[[], Awaitable[None]]]:
+    """Enters `manager` in a new task of `group`; returns what it gave and `leave`, which any task may await
+    to exit it (once; later calls wait for the same exit). A failure to enter is raised here; a failure on
+    the way out is logged, and goes no further, as `logged`'s. If `group` is cancelled first (a shutdown),
+    the manager is left then, and `leave` returns at once."""
+    release, left = anyio.Event(), anyio.Event()
+
+    async def hold(*, task_status: anyio.abc.TaskStatus[T]) -> None:
+        entered = False
+        try:
+            async with manager as value:
+                entered = True
+                task_status.started(value)
+                await release.wait()
+        except Exception:
+            if not entered:
+                raise  # the caller's error: `start` raises it
+            log.exception("leaving %s failed", what)
+        finally:
+            left.set()
+
+    async def leave() -> None:
+        release.set()
+        await left.wait()
+
+    value: T = await group.start(hold)
+    return value, leave
+
+
+__all__ = ["BackgroundTasks", "TaskState", "held_in", "logged"]

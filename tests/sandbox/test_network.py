@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import docker
+import httpx2
 import pytest
 import trustme
 
@@ -173,6 +174,33 @@ def test_sandboxed_code_reaches_an_allowed_host(run_net: RunNet, upstream: str, 
     result = run_net(code, ["127.0.0.1"])
     assert result.status == 200, result.body
     assert (result.stdout, result.stderr, result.exit_code) == (EXPECTED[client], "", 0)
+
+
+@pytest.mark.docker
+def test_a_session_with_network_reaches_an_allowed_host_and_its_close_ends_no_other_session(
+    network_service: Service, upstream: str
+) -> None:
+    """A session's network (its tunnel server) is entered by the request that opens it and left by the task
+    that ends the session: that once failed the task group of every session, so closing one session with
+    network ended all the others (410 killed)."""
+    other = network_service.post("/sessions", {})
+    assert other.status_code == 201, other.text
+    other_id = other.json()["session_id"]
+    assert network_service.post(f"/sessions/{other_id}/execute", {"code": "var x = 41"}).status_code == 200
+    opened = network_service.post("/sessions", {"network": {"allow": ["127.0.0.1"]}})
+    assert opened.status_code == 201, opened.text
+    session_id = opened.json()["session_id"]
+    code = f"(await (await fetch('http://127.0.0.1:{port_of(upstream)}/echo?via=session')).json()).path"
+    called = network_service.post(f"/sessions/{session_id}/execute", {"code": code})
+    assert called.status_code == 200, called.text
+    assert called.json()["result"] == "'/echo?via=session'", called.json()
+    closed = httpx2.delete(f"{network_service.base_url}/sessions/{session_id}", timeout=60)
+    assert closed.status_code == 200, closed.text
+    still = network_service.post(f"/sessions/{other_id}/execute", {"code": "x + 1"})
+    assert still.status_code == 200, still.text
+    assert still.json()["result"] == "42"
+    assert "background task sessions failed" not in network_service.stderr_path.read_text()
+    httpx2.delete(f"{network_service.base_url}/sessions/{other_id}", timeout=60)
 
 
 @pytest.mark.docker

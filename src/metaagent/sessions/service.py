@@ -29,7 +29,7 @@ import anyio.to_thread
 
 from metaagent import hints
 from metaagent.audit import AuditLog
-from metaagent.background import logged
+from metaagent.background import held_in, logged
 from metaagent.errors import (
     AtCapacity,
     Gone,
@@ -375,9 +375,12 @@ class Sessions:
         )
         network = None
         if interpreter.network is not None and allowlist is not None:
-            network = await session.resources.enter_async_context(
-                interpreter.network.for_execution(session.session_id, allowlist)
-            )
+            if self._group is None:
+                raise Unavailable("Sessions are not being served yet; retry in a moment")
+            # Its tunnel server's task group is left by whichever task ends the session: held in a task of its own.
+            uses = interpreter.network.for_execution(session.session_id, allowlist)
+            network, leave = await held_in(self._group, uses, f"the network of session {session.session_id}")
+            session.resources.push_async_callback(leave)
         warm = await interpreter.take_warm(lane, request.memory_mb, request.packages, network, image_ref)
         if warm is not None:
             lane.pool.finished()  # a session keeps its container: the pool replaces it now
