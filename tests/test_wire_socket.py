@@ -10,7 +10,7 @@ import pytest
 
 from metaagent.errors import Unavailable
 from metaagent.sandbox.engine import WIRE_DIR
-from metaagent.sandbox.wire_socket import WireListener
+from metaagent.sandbox.wire_socket import WireListener, came_from
 
 pytestmark = [pytest.mark.security]
 
@@ -62,3 +62,14 @@ def test_a_folder_too_deep_for_a_unix_socket_is_a_clear_error(tmp_path: Path) ->
     with pytest.raises(Unavailable, match="shorter data root"):
         WireListener(deep)
     assert list(deep.iterdir()) == []
+
+
+async def test_a_connection_from_this_process_comes_from_no_container(tmp_path: Path) -> None:
+    listener = WireListener(tmp_path)
+    with socket.socket(socket.AF_UNIX) as mine:
+        mine.connect(str(host_path(tmp_path, listener)))
+        with anyio.fail_after(10):
+            taken = await listener.accept()
+        with taken:
+            assert not came_from(taken, "a" * 64)
+            assert not came_from(taken, "")  # never "in" every path

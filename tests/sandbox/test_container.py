@@ -316,6 +316,7 @@ def test_the_wire_folder_cannot_be_listed_or_written_and_a_socket_in_it_is_reach
                     assert execution.container_id is not None
                     peer["its container"] = came_from(connection, execution.container_id)
                     peer["another container"] = came_from(connection, "f" * 64)
+                    peer["a prefix of its id"] = came_from(connection, execution.container_id[:12])
                     with connection:
                         while chunk := await sock_recv(connection, 4096):
                             said += chunk
@@ -334,7 +335,7 @@ def test_the_wire_folder_cannot_be_listed_or_written_and_a_socket_in_it_is_reach
     said, outcome, peer = anyio.run(go)
     assert outcome.exit_code == 0, outcome.stderr.text()
     # The kernel's record of who connected names a process of this container (wire_socket.came_from).
-    assert peer == {"its container": True, "another container": False}
+    assert peer == {"its container": True, "another container": False, "a prefix of its id": False}
     found = json.loads(said)
     assert found["list"] == "EACCES", (said, outcome.stdout.text())
     assert found["write"] in ("EROFS", "EACCES")  # runc's kernel checks the mount first, gVisor's the folder

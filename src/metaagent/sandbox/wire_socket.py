@@ -15,8 +15,8 @@ How only that supervisor reaches the socket:
 - the service takes the first connection, then closes the listener and unlinks the name, before it
   sends anything that could run code. No one connects after that, and no one could name it before;
 - and that connection must come from the session's own container (`came_from`): the kernel's record of
-  the connecting process (SO_PEERCRED) names a process whose cgroup is the container's (the supervisor
-  under runc, the gVisor sandbox under runsc). So even a name that leaked would give no one the wire.
+  the connecting process (SO_PEERCRED) names a process in the container's cgroups (the supervisor under
+  runc, runsc's gofer under runsc). So even a name that leaked would give no one the wire.
 
 The container's isolation stays the boundary: this is the service's own end of the wire, as the attach
 stream was, and everything that comes on it is checked the same way (session_wire.py).
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import secrets
 import socket
 import struct
@@ -34,6 +35,8 @@ from pathlib import Path
 
 from metaagent.errors import Unavailable
 from metaagent.sandbox.engine import MAX_UNIX_SOCKET_PATH, SANDBOX_UID, WIRE_DIR
+
+_CONTAINER_ID = re.compile(r"[0-9a-f]{64}")
 
 
 class WireListener:
@@ -77,15 +80,23 @@ class WireListener:
 
 
 def came_from(connection: socket.socket, container_id: str) -> bool:
-    """Whether the process at the other end of `connection` runs in the container `container_id`, by
-    the kernel's record of who connected: its pid, then that process's cgroups, which name the container
-    under runc and runsc alike. False where the pid is not this process's to see (a peer in another pid
-    namespace reads as 0), or gone."""
+    """Whether the process at the other end of `connection` runs in the container `container_id` (its full
+    id), by the kernel's record of who connected: its pid, then that process's cgroups, one of whose paths
+    has the container as a whole part (`/docker/<id>`, or `docker-<id>.scope` under systemd). Under runc
+    the peer is the supervisor itself; under runsc it is runsc's gofer (uid 0), which opens host sockets
+    for the sandbox and sits in the container's cgroups. False where the pid is not this process's to see
+    (a peer in another pid namespace reads as 0), or gone."""
+    if not _CONTAINER_ID.fullmatch(container_id):
+        return False
     pid, _uid, _gid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    if pid <= 0 or not container_id:
+    if pid <= 0:
         return False
     try:
         with open(f"/proc/{pid}/cgroup", encoding="ascii", errors="replace") as cgroups:
-            return container_id in cgroups.read()
+            lines = cgroups.read().splitlines()
     except OSError:
         return False
+    scope = f"-{container_id}.scope"
+    return any(
+        part == container_id or part.endswith(scope) for line in lines for part in line.split(":", 2)[-1].split("/")
+    )
