@@ -377,10 +377,13 @@ class Sessions:
         if interpreter.network is not None and allowlist is not None:
             if self._group is None:
                 raise Unavailable("Sessions are not being served yet; retry in a moment")
-            # Its tunnel server's task group is left by whichever task ends the session: held in a task of its own.
+            # Its tunnel server's task group is left by whichever task ends the session: held in a task of its
+            # own. Shielded (the engine's deadlines bound it): a hang-up between that task's start and `leave`
+            # on the session's exit stack would leave the network held until the service stops.
             uses = interpreter.network.for_execution(session.session_id, allowlist)
-            network, leave = await held_in(self._group, uses, f"the network of session {session.session_id}")
-            session.resources.push_async_callback(leave)
+            with anyio.CancelScope(shield=True):
+                network, leave = await held_in(self._group, uses, f"the network of session {session.session_id}")
+                session.resources.push_async_callback(leave)
         warm = await interpreter.take_warm(lane, request.memory_mb, request.packages, network, image_ref)
         if warm is not None:
             lane.pool.finished()  # a session keeps its container: the pool replaces it now
