@@ -218,7 +218,7 @@ def measure(
         raise RuntimeError("the Python session does not add")
     floor = FrameworkFloor(answer)
 
-    # The floor's server stops, whatever happens.
+    # The callers' connections and the floor's server close, whatever happens.
     with contextlib.closing(floor), contextlib.closing(lean), contextlib.closing(lean_back_to_back):
         timed_calls: dict[str, Callable[[], object]] = {
             POOLED: lambda: caller.run("print(1)"),

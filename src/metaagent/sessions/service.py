@@ -366,6 +366,12 @@ class Sessions:
                 retry_after_s=5,
             )
 
+    def _serving(self) -> anyio.abc.TaskGroup:
+        """The group that holds the sessions' own tasks, which a session's start needs."""
+        if self._group is None:
+            raise Unavailable("Sessions are not being served yet; retry in a moment")
+        return self._group
+
     async def _start(self, session: Session, lane: Lane, dependencies: dict[str, str], allowlist: Any) -> None:
         interpreter, language = self.interpreter, lane.language
         request = session.config
@@ -375,14 +381,12 @@ class Sessions:
         )
         network = None
         if interpreter.network is not None and allowlist is not None:
-            if self._group is None:
-                raise Unavailable("Sessions are not being served yet; retry in a moment")
             # Its tunnel server's task group is left by whichever task ends the session: held in a task of its
             # own. Shielded (the engine's deadlines bound it): a hang-up between that task's start and `leave`
             # on the session's exit stack would leave the network held until the service stops.
             uses = interpreter.network.for_execution(session.session_id, allowlist)
             with anyio.CancelScope(shield=True):
-                network, leave = await held_in(self._group, uses, f"the network of session {session.session_id}")
+                network, leave = await held_in(self._serving(), uses, f"the network of session {session.session_id}")
                 session.resources.push_async_callback(leave)
         warm = await interpreter.take_warm(lane, request.memory_mb, request.packages, network, image_ref)
         if warm is not None:
@@ -409,8 +413,7 @@ class Sessions:
                     await self.engine.remove(prepared.container_id)
                 raise
         try:
-            if self._group is None:
-                raise Unavailable("Sessions are not being served yet; retry in a moment")
+            group = self._serving()
             wire_listener = WireListener(await self.engine.wire_folder())  # closed by the container's run, always
         except BaseException:
             prepared.sock.close()
@@ -427,7 +430,7 @@ class Sessions:
         )
         header = session_payload(network.runner if network else None, wire_listener.path_in_container)
         try:
-            await self._group.start(self._serve, session, container, header)
+            await group.start(self._serve, session, container, header)
         except SessionGone as gone:
             raise Unavailable(f"The session's runner did not start ({gone.reason})") from None
 
