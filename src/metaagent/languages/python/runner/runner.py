@@ -749,8 +749,10 @@ matplotlib.rcParams["figure.max_open_warning"] = 0
 _figure = pyplot.figure()
 _figure.savefig(io.BytesIO(), format="png")
 pyplot.close(_figure)
-drop_refused_modules(list(sys.modules))
+# The marker first: a module imported while the others are looked at lands after it, and is looked at again
+# by the lock. (Should the marker itself be refused and dropped, the lock looks at every module.)
 LAST_MODULE_AT_READY = next(reversed(sys.modules))
+drop_refused_modules(list(sys.modules))
 write_all(2, READY)
 _source = Input()
 _header = read_header(_source)
