@@ -248,6 +248,22 @@ def with_a_wire_socket(service_end: socket.socket, folder: Path) -> tuple[FakeEn
     return engine, container, folder / listener.path_in_container.rsplit("/", 1)[1]
 
 
+def connect_once_the_header_came(container_end: socket.socket, path: Path) -> tuple[socket.socket, threading.Thread]:
+    """A thread of this process that, once the session's header came on the attach stream, connects to the
+    wire socket by its name and says ready there: the stand-in supervisor, or an intruder that knows the name.
+    Returns its connection and the thread, started."""
+    connection = socket.socket(socket.AF_UNIX)
+
+    def connect() -> None:
+        container_end.recv(65536)  # the header, on the attach stream
+        connection.connect(str(path))
+        connection.sendall(READY)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    return connection, thread
+
+
 async def test_frames_on_the_attach_stream_once_the_wire_socket_carries_them_end_the_session(
     pair: tuple[socket.socket, socket.socket], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -258,16 +274,8 @@ async def test_frames_on_the_attach_stream_once_the_wire_socket_carries_them_end
     monkeypatch.setattr(session_container, "came_from", lambda _connection, _container_id: True)
     service_end, container_end = pair
     engine, container, path = with_a_wire_socket(service_end, tmp_path)
-    wire_end = socket.socket(socket.AF_UNIX)
+    wire_end, thread = connect_once_the_header_came(container_end, path)
     ready = anyio.Event()
-
-    def supervisor() -> None:
-        container_end.recv(65536)  # the header, on the attach stream
-        wire_end.connect(str(path))
-        wire_end.sendall(READY)
-
-    thread = threading.Thread(target=supervisor, daemon=True)
-    thread.start()
     with anyio.fail_after(60):
         async with anyio.create_task_group() as group:
             group.start_soon(lambda: container.run(b"{}\n", on_ready=ready.set))
@@ -289,16 +297,8 @@ async def test_a_wire_connection_from_outside_the_container_ends_the_session_uns
     the session ends before it is ready, and the service's log says so."""
     service_end, container_end = pair
     engine, container, path = with_a_wire_socket(service_end, tmp_path)
-    intruder = socket.socket(socket.AF_UNIX)
+    intruder, thread = connect_once_the_header_came(container_end, path)
     ready = anyio.Event()
-
-    def connect_with_the_leaked_name() -> None:
-        container_end.recv(65536)  # the header, on the attach stream
-        intruder.connect(str(path))
-        intruder.sendall(frame(wire.REPLY, b'{"id": 0, "status": "ready"}'))
-
-    thread = threading.Thread(target=connect_with_the_leaked_name, daemon=True)
-    thread.start()
     with anyio.fail_after(60), pytest.raises(session_container.SessionGone):
         await container.run(b"{}\n", on_ready=ready.set)
     assert not ready.is_set()
