@@ -14,7 +14,6 @@ from metaagent.languages.container import container_spec
 from metaagent.languages.javascript.image import runner_command
 from metaagent.languages.python.image import python_image_tag, python_runner_command
 from metaagent.settings import Settings
-from metaagent.tools.code_interpreter import NetworkPolicy
 
 
 def test_javascript_is_what_a_request_without_language_gets() -> None:
@@ -50,27 +49,21 @@ def test_a_language_the_settings_leave_out_is_refused_naming_the_setting_and_the
 
 def test_python_refuses_packages_as_npm_packages_for_javascript_only() -> None:
     with pytest.raises(RequestRefused) as refused:
-        PYTHON.check_request(memory_mb=256, packages=["lodash"], network=None)
+        PYTHON.check_request(memory_mb=256, packages=["lodash"])
     assert refused.value.message.startswith("packages are npm packages, for JavaScript only; remove `packages`")
-
-
-def test_python_refuses_network_as_not_supported_yet_and_says_what_to_do() -> None:
-    with pytest.raises(RequestRefused) as refused:
-        PYTHON.check_request(memory_mb=256, packages=[], network=NetworkPolicy(allow=["api.example.com"]))
-    assert refused.value.message.startswith("network is not supported for Python 3.11 yet; remove `network`")
 
 
 def test_python_refuses_memory_below_its_minimum_naming_it() -> None:
     with pytest.raises(RequestRefused) as refused:
-        PYTHON.check_request(memory_mb=PYTHON.min_memory_mb - 1, packages=[], network=None)
+        PYTHON.check_request(memory_mb=PYTHON.min_memory_mb - 1, packages=[])
     assert refused.value.message == (
         f"memory_mb {PYTHON.min_memory_mb - 1} is below Python 3.11's minimum of {PYTHON.min_memory_mb} MiB; "
         f"give memory_mb of at least {PYTHON.min_memory_mb}"
     )
 
 
-def test_javascript_takes_packages_network_and_the_schemas_least_memory() -> None:
-    JAVASCRIPT.check_request(memory_mb=64, packages=["lodash"], network=NetworkPolicy(allow=["api.example.com"]))
+def test_javascript_takes_packages_and_the_schemas_least_memory() -> None:
+    JAVASCRIPT.check_request(memory_mb=64, packages=["lodash"])
     assert PYTHON.min_memory_mb > JAVASCRIPT.min_memory_mb == 64
 
 

@@ -16,11 +16,9 @@ from metaagent.languages import PYTHON
 from tests.conftest import ServiceFactory, make_settings
 
 TIMEOUT_S = 60
-NETWORK = {"allow": ["api.example.com"]}
 # Each request Python refuses, and how its refusal begins.
 PYTHON_REFUSALS = [
     pytest.param({"packages": ["lodash"]}, "packages are npm packages, for JavaScript only; ", id="packages"),
-    pytest.param({"network": NETWORK}, "network is not supported for Python 3.11 yet; remove `network`", id="network"),
     pytest.param(
         {"memory_mb": PYTHON.min_memory_mb - 64},
         f"memory_mb {PYTHON.min_memory_mb - 64} is below Python 3.11's minimum of {PYTHON.min_memory_mb} MiB",

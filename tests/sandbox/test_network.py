@@ -98,6 +98,7 @@ def network_service(
         ALLOW_HTTP_HOSTS=NETWORK_SERVICE_HOSTS,
         METAAGENT_SANDBOX_EXTRA_CA_CERTS=str(ca_path),
         METAAGENT_SANDBOX_MAX_TUNNEL_BYTES=str(MAX_TUNNEL_BYTES),
+        METAAGENT_LANGUAGES="javascript,python",
     ) as service:
         yield service
 
@@ -109,8 +110,8 @@ RunNet = Callable[..., Result]
 def run_net(network_service: Service) -> RunNet:
     """Runs code on the network service; `allow` becomes the request's `network.allow` (None: no network)."""
 
-    def run(code: str, allow: list[str] | None = None, *, timeout_s: int = 10) -> Result:
-        body: dict[str, Any] = {"code": code, "timeout_s": timeout_s}
+    def run(code: str, allow: list[str] | None = None, *, timeout_s: int = 10, language: str = "javascript") -> Result:
+        body: dict[str, Any] = {"code": code, "timeout_s": timeout_s, "language": language}
         if allow is not None:
             body["network"] = {"allow": allow}
         response = network_service.post("/tools/code-interpreter", body)
@@ -168,15 +169,6 @@ EXPECTED = {
 
 
 @pytest.mark.docker
-@pytest.mark.parametrize("client", list(CLIENTS))
-def test_sandboxed_code_reaches_an_allowed_host(run_net: RunNet, upstream: str, https_port: int, client: str) -> None:
-    code = CLIENTS[client].replace("HTTP_PORT", str(port_of(upstream))).replace("HTTPS_PORT", str(https_port))
-    result = run_net(code, ["127.0.0.1"])
-    assert result.status == 200, result.body
-    assert (result.stdout, result.stderr, result.exit_code) == (EXPECTED[client], "", 0)
-
-
-@pytest.mark.docker
 def test_a_session_with_network_reaches_an_allowed_host_and_its_close_ends_no_other_session(
     network_service: Service, upstream: str
 ) -> None:
@@ -230,6 +222,197 @@ def test_many_parallel_requests_wait_for_a_free_tunnel_instead_of_failing(run_ne
         ["127.0.0.1"],
     )
     assert result.stdout == "30 30\n", result.stderr
+
+
+# --- Python, through the same tunnel -----------------------------------------------------------------
+
+PYTHON_CLIENTS = {
+    "urllib-http": """
+import json, urllib.request
+with urllib.request.urlopen("http://127.0.0.1:HTTP_PORT/echo?via=urllib", timeout=10) as r:
+    print(r.status, json.load(r)["path"])
+""",
+    "urllib-https": """
+import json, urllib.request
+with urllib.request.urlopen("https://127.0.0.1:HTTPS_PORT/echo?via=urllib", timeout=10) as r:
+    print(r.status, json.load(r)["path"])
+""",
+    "http.client-post": """
+import http.client, json
+connection = http.client.HTTPConnection("127.0.0.1", HTTP_PORT, timeout=10)
+connection.request("POST", "/echo?via=post", body="hello")
+response = connection.getresponse()
+echo = json.load(response)
+print(response.status, echo["path"], echo["body"])
+""",
+    "socket": """
+import json, socket
+with socket.create_connection(("127.0.0.1", HTTP_PORT), timeout=10) as s:
+    s.sendall(b"GET /echo?via=socket HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\nConnection: close\\r\\n\\r\\n")
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+head, _, body = data.partition(b"\\r\\n\\r\\n")
+print(head.split()[1].decode(), json.loads(body)["path"])
+""",
+    "asyncio": """
+import asyncio, json
+async def main():
+    reader, writer = await asyncio.open_connection("127.0.0.1", HTTP_PORT)
+    writer.write(b"GET /echo?via=asyncio HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\nConnection: close\\r\\n\\r\\n")
+    data = await reader.read()
+    writer.close()
+    head, _, body = data.partition(b"\\r\\n\\r\\n")
+    print(head.split()[1].decode(), json.loads(body)["path"])
+asyncio.run(main())
+""",
+}
+PYTHON_EXPECTED = {
+    "urllib-http": "200 /echo?via=urllib\n",
+    "urllib-https": "200 /echo?via=urllib\n",
+    "http.client-post": "200 /echo?via=post hello\n",
+    "socket": "200 /echo?via=socket\n",
+    "asyncio": "200 /echo?via=asyncio\n",
+}
+
+
+CLIENTS_OF = {"javascript": (CLIENTS, EXPECTED), "python": (PYTHON_CLIENTS, PYTHON_EXPECTED)}
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize(
+    ("language", "client"), [(language, client) for language, (codes, _) in CLIENTS_OF.items() for client in codes]
+)
+def test_sandboxed_code_reaches_an_allowed_host(
+    run_net: RunNet, upstream: str, https_port: int, language: str, client: str
+) -> None:
+    codes, expected = CLIENTS_OF[language]
+    code = codes[client].replace("HTTP_PORT", str(port_of(upstream))).replace("HTTPS_PORT", str(https_port))
+    result = run_net(code, ["127.0.0.1"], language=language)
+    assert result.status == 200, result.body
+    assert (result.stdout, result.stderr, result.exit_code) == (expected[client], "", 0)
+
+
+@pytest.mark.docker
+@pytest.mark.security
+def test_python_code_is_refused_hosts_off_its_list_and_an_untrusted_certificate_by_the_same_guard(
+    run_net: RunNet, network_service: Service, upstream: str
+) -> None:
+    port = port_of(upstream)
+    with serving_https(trustme.CA().issue_cert("127.0.0.1")) as untrusted_port:
+        result = run_net(
+            f"""
+import ssl, urllib.error, urllib.request
+for url in ("http://127.0.0.2:{port}/", "https://api.sandbox.test/"):
+    try:
+        urllib.request.urlopen(url, timeout=10)
+        print("REACHED")
+    except urllib.error.URLError as exc:
+        print(exc.reason)
+try:
+    urllib.request.urlopen("https://127.0.0.1:{untrusted_port}/", timeout=10)
+    print("TRUSTED")
+except urllib.error.URLError as exc:
+    print(type(exc.reason).__name__, exc.reason.verify_message)
+""",
+            ["127.0.0.1"],
+            language="python",
+        )
+    assert result.stdout.splitlines() == [
+        "[Errno 111] ERR_METAAGENT_HOST_BLOCKED: Host 127.0.0.2 is not allowed: "
+        "it is not on this execution's network allow-list",
+        "[Errno 111] ERR_METAAGENT_HOST_BLOCKED: Host api.sandbox.test is not allowed: "
+        "it is not on this execution's network allow-list",
+        "SSLCertVerificationError unable to get local issuer certificate",
+    ], result.body
+    blocked = sorted(
+        (r["host"], r["port"])
+        for r in audit_of(network_service, result.body["execution_id"])
+        if r["event"] == "egress.blocked"
+    )
+    assert blocked == [("127.0.0.2", port), ("api.sandbox.test", 443)]
+
+
+@pytest.mark.docker
+@pytest.mark.security
+def test_python_code_reaches_nothing_past_the_tunnel(run_net: RunNet, upstream: str) -> None:
+    """The gate lets a socket connect to the tunnel's path alone: a connect that skips the runner's
+    patched one (the C method itself) is refused, so is a socket of another family (netlink), and
+    without network every socket is."""
+    port = port_of(upstream)
+    code = f"""
+import _socket, socket
+attempts = (
+    (_socket.AF_INET, _socket.SOCK_STREAM, ("127.0.0.1", {port})),
+    (_socket.AF_UNIX, _socket.SOCK_STREAM, "/run/metaagent-wire/x.sock"),
+    (_socket.AF_NETLINK, _socket.SOCK_RAW, None),
+)
+for family, kind, address in attempts:
+    try:
+        made = _socket.socket(family, kind)
+        if address is not None:
+            made.connect(address)
+        print("CONNECTED")
+    except OSError as exc:
+        print(type(exc).__name__, str(exc).split(":")[0])
+"""
+    refused = ["PermissionError [Errno 1] ERR_METAAGENT_BLOCKED_API"] * 3
+    with_network = run_net(code, ["127.0.0.1"], language="python")
+    assert with_network.stdout.splitlines() == refused, with_network.body
+    without = run_net(code, language="python")
+    assert without.stdout.splitlines() == refused, without.body
+
+
+@pytest.mark.docker
+def test_a_python_asyncio_connect_that_waits_for_a_tunnel_leaves_the_event_loop_running(
+    run_net: RunNet, upstream: str
+) -> None:
+    """With every tunnel of the execution held open (8, the default), the service waits for one to close
+    before it answers a new one: asyncio's connect waits in a thread meanwhile, so other tasks run and
+    `wait_for` gives up on it; once a tunnel closes, a connect gets through."""
+    code = f"""
+import asyncio, socket
+held = [socket.create_connection(("127.0.0.1", {port_of(upstream)})) for _ in range(8)]
+ticks = 0
+async def tick():
+    global ticks
+    while True:
+        await asyncio.sleep(0.01)
+        ticks += 1
+async def main():
+    ticker = asyncio.create_task(tick())
+    try:
+        await asyncio.wait_for(asyncio.open_connection("127.0.0.1", {port_of(upstream)}), 0.5)
+        print("OPENED")
+    except TimeoutError:
+        print("GAVE UP", ticks > 0)
+    held.pop().close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", {port_of(upstream)})
+    print("OPENED")
+    writer.close()
+    ticker.cancel()
+asyncio.run(main())
+"""
+    result = run_net(code, ["127.0.0.1"], timeout_s=30, language="python")
+    assert (result.stdout, result.exit_code) == ("GAVE UP True\nOPENED\n", 0), result.body
+
+
+@pytest.mark.docker
+def test_a_python_session_with_network_reaches_an_allowed_host(network_service: Service, upstream: str) -> None:
+    opened = network_service.post("/sessions", {"language": "python", "network": {"allow": ["127.0.0.1"]}})
+    assert opened.status_code == 201, opened.text
+    session_id = opened.json()["session_id"]
+    try:
+        code = (
+            "import json, urllib.request\n"
+            f"json.load(urllib.request.urlopen('http://127.0.0.1:{port_of(upstream)}/echo?via=session'))['path']"
+        )
+        for _ in range(2):  # a second call reuses the patched resolver and connect
+            called = network_service.post(f"/sessions/{session_id}/execute", {"code": code})
+            assert called.status_code == 200, called.text
+            assert called.json()["result"] == "'/echo?via=session'", called.json()
+    finally:
+        httpx2.delete(f"{network_service.base_url}/sessions/{session_id}", timeout=60)
 
 
 # --- and nothing else -----------------------------------------------------------------------------------

@@ -41,7 +41,10 @@ COMMAND_TIMEOUT_S = 120
 # The settings each section's examples say their service was started with.
 SECTION_ENV = {
     "`POST /tools/http`": {"ALLOW_HTTP_HOSTS": '["example.com"]'},
-    "Network for sandboxed code": {"ALLOW_HTTP_HOSTS": '["127.0.0.1", "*.example.com"]'},
+    "Network for sandboxed code": {
+        "ALLOW_HTTP_HOSTS": '["127.0.0.1", "*.example.com"]',
+        "METAAGENT_LANGUAGES": "javascript,python",  # its last example is Python's
+    },
     "Access": {"METAAGENT_API_KEYS": "alice:7q3vN8c2LxWfRk1pZs9TbYd4"},
     "Python": {"METAAGENT_LANGUAGES": "javascript,python"},
     "`metaagent repl`": {"METAAGENT_LANGUAGES": "javascript,python"},  # its last example is a Python session

@@ -51,18 +51,14 @@ class Language:
     tells_its_end: bool = False
     # The policy the shared code consults (`check_request`) instead of naming languages.
     packages: bool = False  # npm packages (`metaagent.packages`): JavaScript's alone
-    network: bool = False  # egress through the runner's tunnel (`network`)
     min_memory_mb: int = 64  # the least `memory_mb` its runner and program start in (the schema's least: 64)
-    # What a refused `packages` or `network` message adds: what to do instead.
+    # What a refused `packages` message adds: what to do instead.
     without_packages: str = "remove `packages`"
-    without_network: str = "remove `network`"
 
-    def check_request(self, *, memory_mb: int, packages: list[str], network: object | None) -> None:
+    def check_request(self, *, memory_mb: int, packages: list[str]) -> None:
         """A 400 (RequestRefused) for what this language does not support, before anything starts."""
         if packages and not self.packages:
             raise RequestRefused(f"packages are npm packages, for JavaScript only; {self.without_packages}")
-        if network is not None and not self.network:
-            raise RequestRefused(f"network is not supported for {self.label} yet; {self.without_network}")
         if memory_mb < self.min_memory_mb:
             raise RequestRefused(
                 f"memory_mb {memory_mb} is below {self.label}'s minimum of {self.min_memory_mb} MiB; "

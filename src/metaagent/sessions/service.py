@@ -293,9 +293,7 @@ class Sessions:
         if self.closing or self.interpreter.closing:
             raise Unavailable("The service is shutting down; retry on another instance")
         interpreter = self.interpreter
-        lane = interpreter.lane(
-            request.language, memory_mb=request.memory_mb, packages=request.packages, network=request.network
-        )
+        lane = interpreter.lane(request.language, memory_mb=request.memory_mb, packages=request.packages)
         caller = tenant.key_id
         dependencies = interpreter.check_packages(request.packages)
         allowlist = interpreter.network_allowlist(request.network)

@@ -73,8 +73,8 @@ class CodeInterpreterRequest(ToolRequest):
     limits on memory, CPU, processes and open files. JavaScript: core modules that reach the file system,
     other programs or raw sockets (fs, child_process, net, ...) are blocked; with `network`, http, https and
     fetch reach the listed hosts (and only those); print results with console.log. Python: it may write
-    only in /tmp, `packages` and `network` are not supported (they are JavaScript's), and print results
-    with print().
+    only in /tmp, `packages` are not supported (they are npm packages), with `network` urllib, http.client
+    and sockets reach the listed hosts (and only those); print results with print().
 
     With `session_id` (from session_create), the code runs in that session instead, in the session's
     language: variables, functions and imports of earlier calls are still there, top-level await works,
@@ -240,9 +240,7 @@ class CodeInterpreter:
         Every refusal (400, 429, 503) is raised before `sink.started()`: after it, only failures.
         """
         self._refuse_if_closing()
-        lane = self.lane(
-            request.language, memory_mb=request.memory_mb, packages=request.packages, network=request.network
-        )
+        lane = self.lane(request.language, memory_mb=request.memory_mb, packages=request.packages)
         dependencies = self.check_packages(request.packages)
         allowlist = self.network_allowlist(request.network)
         image_ref = await lane.image.require()
@@ -320,11 +318,11 @@ class CodeInterpreter:
         """JavaScript's lane: its image is the runtime self-test's and the npm packages' (always served)."""
         return self.lanes[JAVASCRIPT.name]
 
-    def lane(self, name: str, *, memory_mb: int, packages: list[str], network: NetworkPolicy | None) -> Lane:
+    def lane(self, name: str, *, memory_mb: int, packages: list[str]) -> Lane:
         """The lane of a request's language; a 400 before anything starts for a language not served, or
-        for what the language does not support (packages, network, too little memory)."""
+        for what the language does not support (packages, too little memory)."""
         language = served_language(name, self.lanes)
-        language.check_request(memory_mb=memory_mb, packages=packages, network=network)
+        language.check_request(memory_mb=memory_mb, packages=packages)
         return self.lanes[language.name]
 
     async def runtime_in_force(self) -> Runtime:

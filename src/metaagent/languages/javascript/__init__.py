@@ -18,6 +18,5 @@ JAVASCRIPT = Language(
     runner_command=runner_command,
     out_of_memory_message="JavaScript heap out of memory",  # V8's fatal error, as node prints it
     packages=True,
-    network=True,
     min_memory_mb=64,  # the schema's least: node's heap and the gate start in it
 )

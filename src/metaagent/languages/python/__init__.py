@@ -3,7 +3,7 @@ node's trusted runner (`image.python_runner_command`), whose supervisor and wire
 
 Served when `METAAGENT_LANGUAGES` includes python (the default) and once its image is there: until then a
 Python request answers 503 with the reason, as JavaScript's do without theirs. Its policy: no npm
-packages, no network yet, and more memory than JavaScript at least (`MIN_MEMORY_MB`).
+packages, and more memory than JavaScript at least (`MIN_MEMORY_MB`).
 """
 
 from __future__ import annotations
@@ -23,14 +23,9 @@ PYTHON = Language(
     runner_command=python_runner_command,
     tells_its_end=True,
     packages=False,
-    network=False,
     min_memory_mb=MIN_MEMORY_MB,
     without_packages=(
         "remove `packages` (numpy, pandas, matplotlib and scipy are in Python's image), "
         "or run JavaScript (language: javascript)"
-    ),
-    without_network=(
-        "remove `network` (fetch what the code needs with the http tool and pass it in on stdin or as a "
-        "session file), or run JavaScript (language: javascript)"
     ),
 )

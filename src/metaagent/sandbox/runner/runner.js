@@ -213,9 +213,10 @@ function runUserModule(code) {
   userModule.loaded = true;
 }
 
-// The header that starts a session's program: the session's own, in the program's role.
-function programHeader(egressConfig) {
-  const header = { session: true, program: true };
+// A program's header line with `fields`, and with network the egress fields; the CA certificates that
+// `extra_ca_bytes` counts go last, after whatever else the header announces.
+function headerFor(fields, egressConfig) {
+  const header = { ...fields };
   let extraCa = Buffer.alloc(0);
   if (egressConfig !== null) {
     extraCa = Buffer.from(egressConfig.extraCa, 'ascii');
@@ -223,7 +224,13 @@ function programHeader(egressConfig) {
     header.egress_max_tunnels = egressConfig.maxTunnels;
     header.extra_ca_bytes = extraCa.length;
   }
-  return Buffer.concat([Buffer.from(`${JSON.stringify(header)}\n`, 'utf8'), extraCa]);
+  return { line: Buffer.from(`${JSON.stringify(header)}\n`, 'utf8'), extraCa };
+}
+
+// The header that starts a session's program: the session's own, in the program's role.
+function programHeader(egressConfig) {
+  const { line, extraCa } = headerFor({ session: true, program: true }, egressConfig);
+  return Buffer.concat([line, extraCa]);
 }
 
 // Node and the gate are loaded (and the program, when there is one): tell the host, which starts the
@@ -252,21 +259,29 @@ function serveJavaScript(payload) {
   runUserModule(payload.code);
 }
 
+// What another language's program verifies TLS against, with network: node's own CA bundle (Python's
+// image has none) and the operator's extra CAs. Its tunnel is the same socket as JavaScript's.
+function programEgress(egressConfig) {
+  if (egressConfig === null) return null;
+  const roots = require('tls').rootCertificates.join('\n');
+  return { ...egressConfig, extraCa: `${roots}\n${egressConfig.extraCa}` };
+}
+
 // Another language's program, started with the container and ready: the payload goes to it.
 function serveProgram(child, payload) {
   if (child.exitCode !== null || child.signalCode !== null) { // it died while the container waited
     stdio.writeStderr('metaagent-runner: the program ended before its payload came\n');
     return processExit(program.exitCodeOf(child.exitCode, child.signalCode));
   }
-  if (payload.egress !== null) return badPayload('this language has no network here');
   if (payload.program) return badPayload('program must not be given to this runner');
+  const egressConfig = programEgress(payload.egress);
   if (payload.session) {
     if (payload.rest.length > 0) return badPayload('a session\'s requests come on its wire, not stdin');
-    supervisor.runSupervisor({ stdio, programHeader: programHeader(null), wirePath: payload.wireSocket, program: child });
+    supervisor.runSupervisor({ stdio, programHeader: programHeader(egressConfig), wirePath: payload.wireSocket, program: child });
     return undefined;
   }
-  const header = Buffer.from(`${JSON.stringify({ code_bytes: payload.codeBytes.length, stdin_bytes: payload.input.length })}\n`, 'utf8');
-  const body = Buffer.concat([header, payload.codeBytes, payload.input]);
+  const { line, extraCa } = headerFor({ code_bytes: payload.codeBytes.length, stdin_bytes: payload.input.length }, egressConfig);
+  const body = Buffer.concat([line, payload.codeBytes, payload.input, extraCa]);
   program.relayOnce(child, { stdio, header: body, endToken: payload.endToken });
   return undefined;
 }

@@ -41,7 +41,9 @@ import linecache
 import os
 import posix
 import signal
+import socket
 import threading
+import time
 import traceback
 import types
 
@@ -78,6 +80,8 @@ MAX_ERROR_FIELD = 4096
 MAX_IMAGES = 8
 MAX_IMAGE_BYTES = 4 * 1024 * 1024  # of PNG, all of a call's images together
 WORKSPACE = "/workspace"
+EGRESS_FIELDS = ("egress_socket", "egress_max_tunnels", "extra_ca_bytes")
+EGRESS_SOCKET_DIR = "/run/metaagent/"
 USER_FILENAME = "/app/main.py"
 
 # What the gate lets code read besides where it may write: the interpreter's own libraries and data.
@@ -159,12 +163,17 @@ HANDLED_EVENTS = frozenset(
 # --- the gate -------------------------------------------------------------------------------------------
 
 
-def make_gate(write_roots):
+def make_gate(write_roots, tunnel_path=None):
     """The audit hook of this process (PEP 578): installed before any user code exists and, like every
     audit hook, unremovable from Python. It holds no mutable state and calls nothing user code can
     replace: every callable it uses is bound here as a default argument, policy is tuples and frozensets
     of exact strings, and an argument counts only if its type is exactly str, bytes or int (no method of
-    an argument runs). It has no try/except: an error inside it refuses the operation."""
+    an argument runs). It has no try/except: an error inside it refuses the operation.
+
+    With `tunnel_path` (an execution with network), IPv4 and IPv6 sockets may be made too, and a socket
+    may connect to that path alone: the execution's tunnel, which the service guards (`Tunnel` below
+    takes ordinary code there). The resolver's events pass: no resolver here reaches anything (names
+    resolve in the service)."""
     read_roots = (*write_roots, *LIBRARY_ROOTS)
 
     def gate(
@@ -203,6 +212,9 @@ def make_gate(write_roots):
             "image make it lead elsewhere); write the path without '..'"
         ),
         _link_free=LINK_FREE_ROOTS,
+        _tunnel_path=tunnel_path,
+        _tunnel_families=(socket.AF_INET, socket.AF_INET6),
+        _name_events=("socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo"),
     ):
         if event not in _handled and not _startswith(event, "socket.") and not _startswith(event, "ctypes."):
             return
@@ -326,11 +338,25 @@ def make_gate(write_roots):
         if event == "socket.__new__":
             if _len(args) > 1 and args[1] == 1:  # AF_UNIX: socketpair, which asyncio's event loop needs
                 return
+            if _tunnel_path is not None and _type(args[1]) is _int and args[1] in _tunnel_families:
+                return  # its connect goes to the tunnel (the runner patched it), or to the refusal below
             raise _permission(
                 _eperm, "ERR_METAAGENT_BLOCKED_API: socket.__new__ is refused: this execution has no network"
             )
         if event == "socket.gethostname":
             return
+        if _tunnel_path is not None:
+            if event == "socket.connect" and _len(args) > 1 and _type(args[1]) is _str and args[1] == _tunnel_path:
+                return
+            if event in _name_events or event == "urllib.Request":
+                return
+            if event == "socket.connect":
+                raise _permission(
+                    _eperm,
+                    "ERR_METAAGENT_BLOCKED_API: socket.connect is refused here except through the execution's "
+                    "tunnel: connect with socket.socket.connect or socket.create_connection (urllib and "
+                    "http.client do), which go through it",
+                )
         if _startswith(event, "socket.") or event == "urllib.Request":
             raise _permission(_eperm, f"ERR_METAAGENT_BLOCKED_API: {event} is refused: this execution has no network")
         if event in _process_events:
@@ -366,7 +392,7 @@ def imported_since_ready():
     return since
 
 
-def lock(write_roots):
+def lock(write_roots, tunnel=None):
     """From here on, the gate holds. Every module was looked at once before the ready line, so only those
     imported since are looked at here: a pass over all 1,350 of them, their memory gone cold while the
     runner waited, took 0.3-1.1 ms of a one-shot run (under runc and runsc, measured in the runner)."""
@@ -375,7 +401,7 @@ def lock(write_roots):
 
     subprocess._fork_exec = refused_fork_exec  # what Popen would call, reached past Popen's event
     subprocess._posixsubprocess = None
-    sys.addaudithook(make_gate(tuple(write_roots)))
+    sys.addaudithook(make_gate(tuple(write_roots), None if tunnel is None else tunnel.path))
 
 
 def refused_fork_exec(*_args, **_kwargs):
@@ -436,19 +462,35 @@ class Input:
 
 
 def read_header(source):
+    """The header as a dict: a session's (`session` and `program` true) or a one-shot run's (`code_bytes`,
+    `stdin_bytes`), either with the egress fields of an execution with network (`egress_socket`,
+    `egress_max_tunnels`, `extra_ca_bytes`: the CA certificates, after the one-shot's code and stdin)."""
     try:
         header = json.loads(source.line())
     except ValueError as exc:
         bad_payload(f"header is not JSON ({exc})")
     if not isinstance(header, dict):
         bad_payload("header is not a JSON object")
-    if header == {"session": True, "program": True}:
-        return None
-    if set(header) != {"code_bytes", "stdin_bytes"}:
+    fields = set(header) - set(EGRESS_FIELDS)
+    if fields == {"session", "program"}:
+        if header["session"] is not True or header["program"] is not True:
+            bad_payload("session and program must be true")
+    elif fields == {"code_bytes", "stdin_bytes"}:
+        for key in ("code_bytes", "stdin_bytes"):
+            if type(header[key]) is not int or header[key] < 0:
+                bad_payload(f"{key} must be a non-negative integer")
+    else:
         bad_payload(f"unexpected header fields {sorted(header)}")
-    for key in ("code_bytes", "stdin_bytes"):
-        if type(header[key]) is not int or header[key] < 0:
-            bad_payload(f"{key} must be a non-negative integer")
+    if any(key in header for key in EGRESS_FIELDS):
+        if set(EGRESS_FIELDS) - set(header):
+            bad_payload(f"an execution with network gives all of {list(EGRESS_FIELDS)}")
+        path = header["egress_socket"]
+        if type(path) is not str or not path.startswith(EGRESS_SOCKET_DIR) or len(path) > 200:
+            bad_payload(f"egress_socket must be a path under {EGRESS_SOCKET_DIR}")
+        if type(header["egress_max_tunnels"]) is not int or header["egress_max_tunnels"] < 1:
+            bad_payload("egress_max_tunnels must be a positive integer")
+        if type(header["extra_ca_bytes"]) is not int or header["extra_ca_bytes"] < 0:
+            bad_payload("extra_ca_bytes must be a non-negative integer")
     return header
 
 
@@ -457,6 +499,244 @@ def text_stream(fd, errors):
     streamed to the caller as it comes)."""
     raw = io.FileIO(fd, "w", closefd=False)
     return io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", errors=errors, line_buffering=True)
+
+
+# --- network --------------------------------------------------------------------------------------------
+
+MAX_TUNNEL_REPLY = 1024
+MAX_STAND_INS = 1 << 17  # 198.18.0.0/15, RFC 2544's benchmarking block: no host an execution reaches has one
+SERVICES = {"http": 80, "https": 443}
+
+
+def egress_from(source, header):
+    """The tunnel of an execution with network, installed; None without network. Its CA certificates are
+    the last bytes the header announced."""
+    if "egress_socket" not in header:
+        return None
+    pem = source.exactly(header["extra_ca_bytes"], "the CA certificates").decode("ascii")
+    tunnel = Tunnel(header["egress_socket"], pem)
+    tunnel.install()
+    return tunnel
+
+
+def is_address(host):
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except (OSError, ValueError):
+            continue
+        return True
+    return False
+
+
+class Tunnel:
+    """Ordinary Python code's connections, through the execution's tunnel, as node's egress.js takes
+    JavaScript's: connect to its Unix socket, write `host:port\\n`, read `OK\\n` (or `ERR <code>
+    <message>\\n`), and from then on that socket carries the connection's bytes. The service resolves
+    names, so `getaddrinfo` answers a stand-in address for a name and a connect to it sends the name.
+    TLS runs here, end to end, against node's CA bundle and the operator's extra CAs (the image has no
+    bundle of its own).
+
+    Nothing here is a boundary: the container has no network and the service decides every tunnel; code
+    that undoes these patches only loses its connections. The gate lets sockets connect to the tunnel's
+    path alone."""
+
+    def __init__(self, path, pem):
+        self.path = path
+        self.pem = pem
+        self.names = {}  # stand-in address -> name
+        self.stand_ins = {}  # name -> stand-in address
+        self.lock = threading.Lock()
+        self.opener = None  # the threads of asyncio's connects (made at the first)
+
+    def install(self):
+        import asyncio.selector_events
+        import ssl
+
+        real_connect = socket.socket.connect
+        real_setsockopt = socket.socket.setsockopt
+        real_getaddrinfo = socket.getaddrinfo
+        real_sock_connect = asyncio.selector_events.BaseSelectorEventLoop.sock_connect
+        tunnel = self
+
+        def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
+            name = host.decode("ascii", "replace") if isinstance(host, bytes) else host
+            if name is None or is_address(name):
+                return real_getaddrinfo(host, port, family, type, proto, flags | socket.AI_NUMERICHOST)
+            if family not in (0, socket.AF_INET):
+                raise socket.gaierror(socket.EAI_FAMILY, "a name resolves to an IPv4 stand-in here (AF_INET)")
+            if type not in (0, socket.SOCK_STREAM):
+                raise socket.gaierror(socket.EAI_SOCKTYPE, "only TCP over the execution's tunnel reaches hosts")
+            address = (tunnel.stand_in(name), port_of(port))
+            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", address)]
+
+        def gethostbyname(host):
+            return host if is_address(host) else tunnel.stand_in(host)
+
+        def gethostbyname_ex(host):
+            return (host, [], [gethostbyname(host)])
+
+        def connect(sock, address):
+            if not tunneled(sock):
+                return real_connect(sock, address)  # the gate refuses it, unless it is the tunnel's path
+            through = tunnel.open(address, sock.gettimeout() or None, real_connect)
+            tunnel.attach(sock, through)
+            return None
+
+        def connect_ex(sock, address):
+            try:
+                connect(sock, address)
+            except OSError as exc:
+                return exc.errno or errno.ECONNREFUSED
+            return 0
+
+        def setsockopt(sock, level, option, *value):
+            try:
+                return real_setsockopt(sock, level, option, *value)
+            except OSError as exc:
+                # A tunnel's descriptor is a Unix socket's: TCP's own options (http.client's and asyncio's
+                # TCP_NODELAY) are the service's connection's, and the kernel refuses them here.
+                if level == socket.IPPROTO_TCP and exc.errno == errno.EOPNOTSUPP and tunneled(sock):
+                    return None
+                raise
+
+        async def sock_connect(loop, sock, address):
+            """asyncio's connect: the tunnel opens in a thread, so the event loop runs on meanwhile and
+            `wait_for` can give up on it (a connect it gave up on is closed when it opens)."""
+            if not tunneled(sock):
+                return await real_sock_connect(loop, sock, address)
+            if tunnel.opener is None:
+                import concurrent.futures
+
+                tunnel.opener = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="metaagent-tunnel")
+            opening = tunnel.opener.submit(tunnel.open, address, None, real_connect)
+            try:
+                through = await asyncio.wrap_future(opening)
+            except BaseException:
+                opening.add_done_callback(close_what_opened)
+                raise
+            tunnel.attach(sock, through)
+            return None
+
+        def load_default_certs(context, purpose=ssl.Purpose.SERVER_AUTH):
+            if tunnel.pem:
+                context.load_verify_locations(cadata=tunnel.pem)
+
+        socket.getaddrinfo = getaddrinfo
+        socket.gethostbyname = gethostbyname
+        socket.gethostbyname_ex = gethostbyname_ex
+        socket.socket.connect = connect
+        socket.socket.connect_ex = connect_ex
+        socket.socket.setsockopt = setsockopt
+        asyncio.selector_events.BaseSelectorEventLoop.sock_connect = sock_connect
+        ssl.SSLContext.load_default_certs = load_default_certs
+
+    def stand_in(self, name):
+        name = host_name(name)
+        with self.lock:
+            address = self.stand_ins.get(name)
+            if address is None:
+                count = len(self.stand_ins) + 1
+                if count >= MAX_STAND_INS:
+                    raise socket.gaierror(socket.EAI_MEMORY, "too many host names in one execution")
+                address = f"198.{18 + (count >> 16)}.{(count >> 8) & 0xFF}.{count & 0xFF}"
+                self.stand_ins[name] = address
+                self.names[address] = name
+        return address
+
+    def open(self, address, timeout, real_connect):
+        """A connected tunnel to `address` (host, port): the socket that carries its bytes. Past the
+        tunnels an execution may hold at once, the service waits a while for one to close and then
+        refuses; this tries again, so that code which opens many at once waits, as node's runner does
+        (within the socket's timeout, when it has one)."""
+        host, port = address[0], address[1]
+        name = self.names.get(host) or (host if is_address(host) else host_name(host))
+        line = f"{f'[{name}]' if ':' in name else name}:{port}\n".encode("ascii")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            through = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                through.settimeout(timeout if deadline is None else max(deadline - time.monotonic(), 0.001))
+                real_connect(through, self.path)
+                through.sendall(line)
+                code, message = tunnel_answer(through)
+            except BaseException:
+                through.close()
+                raise
+            if code is None:
+                return through
+            through.close()
+            if code != "ERR_METAAGENT_TUNNEL_LIMIT" or (deadline is not None and time.monotonic() >= deadline):
+                raise tunnel_error(code, message)
+
+    def attach(self, sock, through):
+        """Puts the tunnel's descriptor in place of the socket's, in the socket's blocking mode."""
+        try:
+            os.dup2(through.fileno(), sock.fileno(), inheritable=False)
+            sock.settimeout(sock.gettimeout())  # the descriptor's mode is the tunnel's now: set it again
+        finally:
+            through.close()
+
+
+def tunneled(sock):
+    return sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+
+
+def close_what_opened(opening):
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
+
+
+def host_name(name):
+    if isinstance(name, bytes):
+        name = name.decode("ascii", "replace")
+    try:
+        return name.encode("idna").decode("ascii")
+    except UnicodeError:
+        raise socket.gaierror(socket.EAI_NONAME, f"{name!r} is not a host name") from None
+
+
+def tunnel_answer(through):
+    """(None, None) for `OK`, else the refusal's (code, message). Read a byte at a time: what follows
+    the answer is the connection's."""
+    reply = b""
+    while not reply.endswith(b"\n"):
+        byte = through.recv(1)
+        if not byte or len(reply) > MAX_TUNNEL_REPLY:
+            return "ERR_METAAGENT_TUNNEL", "the egress tunnel did not answer"
+        reply += byte
+    line = reply[:-1].decode("utf-8", "replace")
+    if line == "OK":
+        return None, None
+    code, _, message = line[4:].partition(" ")
+    if not line.startswith("ERR ") or not message:
+        return "ERR_METAAGENT_TUNNEL", f"the egress tunnel answered {line[:100]!r}"
+    return code, message
+
+
+def tunnel_error(code, message):
+    """The exception a refused tunnel raises: what the same failure raises on a real network."""
+    text = f"{code}: {message}"
+    if code in ("ENOTFOUND", "EAI_AGAIN"):
+        return socket.gaierror(socket.EAI_NONAME if code == "ENOTFOUND" else socket.EAI_AGAIN, text)
+    if code == "ETIMEDOUT":
+        return TimeoutError(errno.ETIMEDOUT, text)
+    if code == "ECONNRESET":
+        return ConnectionResetError(errno.ECONNRESET, text)
+    return ConnectionRefusedError(errno.ECONNREFUSED, text)
+
+
+def port_of(port):
+    if port is None:
+        return 0
+    if isinstance(port, int):
+        return port
+    text = port.decode("ascii", "replace") if isinstance(port, bytes) else str(port)
+    if text.isdigit():
+        return int(text)
+    if text in SERVICES:
+        return SERVICES[text]
+    raise socket.gaierror(socket.EAI_SERVICE, f"unknown service {text!r}")
 
 
 # --- one-shot -------------------------------------------------------------------------------------------
@@ -472,7 +752,7 @@ def run_once(source, header):
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
     linecache.cache[USER_FILENAME] = (len(code), None, code.splitlines(True), USER_FILENAME)
-    lock(["/tmp"])
+    lock(["/tmp"], egress_from(source, header))
     try:
         compiled = compile(code, USER_FILENAME, "exec", dont_inherit=True)
         exec(compiled, main.__dict__)
@@ -702,7 +982,8 @@ def answer(message):
     write_all(ANSWERS, bytes([ord("r")]) + len(payload).to_bytes(4, "big") + payload)
 
 
-def run_session(source):
+def run_session(source, header):
+    tunnel = egress_from(source, header)
     os.chdir(WORKSPACE)
     sys.stdin = io.StringIO("")
     sys.argv = [""]
@@ -715,7 +996,7 @@ def run_session(source):
         calls.show_figures()
 
     pyplot.show = show
-    lock([WORKSPACE, "/tmp"])
+    lock([WORKSPACE, "/tmp"], tunnel)
     answer({"id": 0, "status": "ready"})
     while True:
         frame = source.frame()
@@ -756,7 +1037,7 @@ drop_refused_modules(list(sys.modules))
 write_all(2, READY)
 _source = Input()
 _header = read_header(_source)
-if _header is None:
-    run_session(_source)
+if "session" in _header:
+    run_session(_source, _header)
 else:
     run_once(_source, _header)
