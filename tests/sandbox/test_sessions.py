@@ -101,14 +101,18 @@ def test_a_call_that_throws_answers_exit_1_with_the_error_and_the_session_lives_
     assert sessions.run(sid, "kept")["result"] == "7"
 
 
-def test_output_belongs_to_its_call_and_later_output_to_the_next(sessions: Sessions) -> None:
+def test_output_belongs_to_its_call_and_a_timers_later_output_comes_once(sessions: Sessions) -> None:
     sid = sessions.create()
     printed = sessions.run(sid, "console.log('one'); console.error('two'); 3")
     assert (printed["stdout"], printed["stderr"], printed["result"]) == ("one\n", "two\n", "3")
-    sessions.run(sid, "setTimeout(() => { console.log('from a timer'); globalThis.printed = true; }, 50); null")
-    # Whether the timer prints before this call starts or while it waits, it is this call's output.
+    timer = sessions.run(sid, "setTimeout(() => { console.log('from a timer'); globalThis.printed = true; }, 50); null")
     later = sessions.run(sid, "while (!globalThis.printed) await new Promise((r) => setTimeout(r, 10)); 1")
-    assert later["stdout"] == "from a timer\n"
+    # The timer prints after its call's answer was written. Whether it prints before the next call starts
+    # or while that call waits, it is the next call's output, unless the supervisor was kept from reading
+    # the answer for those 50 ms (a loaded machine: CI saw it once): then it reads the answer's pipe and
+    # the output's together, in either order, and the output may close the call that set the timer.
+    # Either way it comes once.
+    assert (timer["stdout"] + later["stdout"], later["result"]) == ("from a timer\n", "1")
 
 
 def test_a_result_over_the_cap_is_truncated_with_a_marker(sessions: Sessions) -> None:
