@@ -167,21 +167,24 @@ def runsc_beside_the_engine(tmp_path: Path, hostname: str, *, this_engines: bool
     Yields (container id, state root); ends it with runsc's own `delete` if a test left it."""
     runsc = shutil.which("runsc")
     assert runsc, "runsc is not installed: run scripts/ensure-docker"
-    container_id = secrets.token_hex(32)
-    bundle, root = tmp_path / f"bundle-{container_id[:8]}", tmp_path / f"state-{container_id[:8]}"
+    label = secrets.token_hex(6)
+    bundle, root = tmp_path / f"bundle-{label}", tmp_path / f"state-{label}"
     bundle.mkdir(parents=True)
     root_fs = Path("/")
     if this_engines:
-        root_fs = Path(engine_data_root()) / f"metaagent-test-root-{container_id[:12]}"
+        root_fs = Path(engine_data_root()) / f"metaagent-test-root-{label}"
         root_fs.symlink_to("/")
     subprocess.run([runsc, "spec", "-bundle", str(bundle), "--", "/bin/sleep", "600"], check=True, timeout=30)
     spec = json.loads((bundle / "config.json").read_text())
     spec.update(hostname=hostname, root={"path": str(root_fs), "readonly": True})
     spec["process"].update(user={"uid": 1001, "gid": 1001}, terminal=False)
     (bundle / "config.json").write_text(json.dumps(spec))
-    argv = [runsc, "--root", str(root), "--network=none", "run", "-detach", "-bundle", str(bundle), container_id]
-    errors = tmp_path / f"runsc-run-{container_id[:8]}.err"
+    errors = tmp_path / f"runsc-run-{label}.err"
     for _attempt in range(5):
+        # A new id each time: a sandbox swept while it started may still hold its id's control socket
+        # ("address already in use"), as CI once saw.
+        container_id = secrets.token_hex(32)
+        argv = [runsc, "--root", str(root), "--network=none", "run", "-detach", "-bundle", str(bundle), container_id]
         # Into a file, not a pipe: the detached sandbox would hold a pipe open, and the wait for its end would hang.
         with errors.open("w") as stderr:
             started = subprocess.run(argv, timeout=60, stdout=subprocess.DEVNULL, stderr=stderr, check=False)
