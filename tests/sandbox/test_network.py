@@ -211,17 +211,44 @@ def test_tls_is_verified_inside_the_sandbox(run_net: RunNet) -> None:
     assert result.stdout.splitlines() == ["UNABLE_TO_VERIFY_LEAF_SIGNATURE"] * 2
 
 
-@pytest.mark.docker
-def test_many_parallel_requests_wait_for_a_free_tunnel_instead_of_failing(run_net: RunNet, upstream: str) -> None:
-    result = run_net(
-        f"""
-        const urls = Array.from({{ length: 30 }}, (_, i) => 'http://127.0.0.1:{port_of(upstream)}/echo?i=' + i);
+PARALLEL_REQUESTS = {
+    "javascript": """
+        const urls = Array.from({ length: 30 }, (_, i) => 'http://127.0.0.1:UPSTREAM_PORT/echo?i=' + i);
         Promise.all(urls.map((u) => fetch(u).then((r) => r.json())))
           .then((all) => console.log(all.length, new Set(all.map((e) => e.path)).size));
-        """,
-        ["127.0.0.1"],
-    )
-    assert result.stdout == "30 30\n", result.stderr
+    """,
+    # Threads with urllib (more than the 8 tunnels, fewer than the container's 32 processes and threads)
+    # and asyncio's streams: both wait for a tunnel when all are open.
+    "python": """
+import asyncio, concurrent.futures, json, urllib.request
+def get(i):
+    with urllib.request.urlopen(f"http://127.0.0.1:UPSTREAM_PORT/echo?i={i}", timeout=20) as r:
+        return json.load(r)["path"]
+with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    paths = list(pool.map(get, range(30)))
+async def fetch(i):
+    reader, writer = await asyncio.open_connection("127.0.0.1", UPSTREAM_PORT)
+    writer.write(f"GET /echo?a={i} HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n".encode())
+    response = await reader.read()
+    writer.close()
+    return json.loads(response.partition(b"\\r\\n\\r\\n")[2])["path"]
+async def main():
+    return await asyncio.gather(*(fetch(i) for i in range(30)))
+paths += asyncio.run(main())
+print(len(paths), len(set(paths)))
+""",
+}
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("language", PARALLEL_REQUESTS)
+def test_many_parallel_requests_wait_for_a_free_tunnel_instead_of_failing(
+    run_net: RunNet, upstream: str, language: str
+) -> None:
+    code = PARALLEL_REQUESTS[language].replace("UPSTREAM_PORT", str(port_of(upstream)))
+    result = run_net(code, ["127.0.0.1"], timeout_s=30, language=language)
+    expected = {"javascript": "30 30\n", "python": "60 60\n"}[language]
+    assert result.stdout == expected, result.body
 
 
 # --- Python, through the same tunnel -----------------------------------------------------------------
@@ -367,8 +394,8 @@ for family, kind, address in attempts:
 def test_a_python_asyncio_connect_that_waits_for_a_tunnel_leaves_the_event_loop_running(
     run_net: RunNet, upstream: str
 ) -> None:
-    """With every tunnel of the execution held open (8, the default), the service waits for one to close
-    before it answers a new one: asyncio's connect waits in a thread meanwhile, so other tasks run and
+    """With every tunnel of the execution held open (8, the default), the runner waits for one to close
+    before it asks for a new one: asyncio's connect waits in a thread meanwhile, so other tasks run and
     `wait_for` gives up on it; once a tunnel closes, a connect gets through."""
     code = f"""
 import asyncio, socket
@@ -395,6 +422,30 @@ asyncio.run(main())
 """
     result = run_net(code, ["127.0.0.1"], timeout_s=30, language="python")
     assert (result.stdout, result.exit_code) == ("GAVE UP True\nOPENED\n", 0), result.body
+
+
+@pytest.mark.docker
+def test_a_python_tunnel_is_free_again_however_its_descriptor_closes(run_net: RunNet, upstream: str) -> None:
+    """The runner counts the execution's 8 tunnels by their descriptors: a socket closed, dropped unclosed
+    or taken apart (`detach`, then `os.close`) gives its tunnel back, so the next 8 open (a tunnel still
+    counted would make the next connect wait out its 10 s timeout and fail)."""
+    code = f"""
+import os, socket
+address = ("127.0.0.1", {port_of(upstream)})
+for way in ("closed", "dropped", "os.close"):
+    for _ in range(2):
+        sockets = [socket.create_connection(address, timeout=10) for _ in range(8)]
+        if way == "closed":
+            for s in sockets:
+                s.close()
+        elif way == "os.close":
+            for s in sockets:
+                os.close(s.detach())
+        del sockets
+    print(way)
+"""
+    result = run_net(code, ["127.0.0.1"], timeout_s=30, language="python")
+    assert (result.stdout, result.exit_code) == ("closed\ndropped\nos.close\n", 0), result.body
 
 
 @pytest.mark.docker

@@ -504,6 +504,7 @@ def text_stream(fd, errors):
 # --- network --------------------------------------------------------------------------------------------
 
 MAX_TUNNEL_REPLY = 1024
+TUNNEL_LOOK_AGAIN_S = 0.05
 MAX_STAND_INS = 1 << 17  # 198.18.0.0/15, RFC 2544's benchmarking block: no host an execution reaches has one
 SERVICES = {"http": 80, "https": 443}
 
@@ -514,7 +515,7 @@ def egress_from(source, header):
     if "egress_socket" not in header:
         return None
     pem = source.exactly(header["extra_ca_bytes"], "the CA certificates").decode("ascii")
-    tunnel = Tunnel(header["egress_socket"], pem)
+    tunnel = Tunnel(header["egress_socket"], pem, header["egress_max_tunnels"])
     tunnel.install()
     return tunnel
 
@@ -541,9 +542,18 @@ class Tunnel:
     that undoes these patches only loses its connections. The gate lets sockets connect to the tunnel's
     path alone."""
 
-    def __init__(self, path, pem):
+    def __init__(self, path, pem, max_tunnels):
         self.path = path
         self.pem = pem
+        # The service's limit of open tunnels, kept here as node's runner keeps it: a connect past it
+        # waits for a tunnel to close. Asking the service anyway would be refused, and each refusal
+        # counts towards the execution's cap, past which no tunnel opens at all. A tunnel is open while
+        # a descriptor it was opened or attached on still refers to it, whoever closes that descriptor,
+        # however (close, collection, ssl's detach, os.close): the kernel says so, not object tracking.
+        self.max_tunnels = max_tunnels
+        self.held = {}  # descriptor -> the identity of the tunnel socket it refers to
+        self.opening = 0
+        self.changed = threading.Condition()
         self.names = {}  # stand-in address -> name
         self.stand_ins = {}  # name -> stand-in address
         self.lock = threading.Lock()
@@ -555,6 +565,7 @@ class Tunnel:
 
         real_connect = socket.socket.connect
         real_setsockopt = socket.socket.setsockopt
+        real_close = socket.socket._real_close
         real_getaddrinfo = socket.getaddrinfo
         real_sock_connect = asyncio.selector_events.BaseSelectorEventLoop.sock_connect
         tunnel = self
@@ -600,6 +611,13 @@ class Tunnel:
                     return None
                 raise
 
+        def _real_close(sock, *args):
+            descriptor = sock.fileno()
+            try:
+                return real_close(sock, *args)
+            finally:
+                tunnel.forget(descriptor)
+
         async def sock_connect(loop, sock, address):
             """asyncio's connect: the tunnel opens in a thread, so the event loop runs on meanwhile and
             `wait_for` can give up on it (a connect it gave up on is closed when it opens)."""
@@ -608,7 +626,9 @@ class Tunnel:
             if tunnel.opener is None:
                 import concurrent.futures
 
-                tunnel.opener = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="metaagent-tunnel")
+                tunnel.opener = concurrent.futures.ThreadPoolExecutor(
+                    tunnel.max_tunnels, thread_name_prefix="metaagent-tunnel"
+                )
             opening = tunnel.opener.submit(tunnel.open, address, None, real_connect)
             try:
                 through = await asyncio.wrap_future(opening)
@@ -628,6 +648,7 @@ class Tunnel:
         socket.socket.connect = connect
         socket.socket.connect_ex = connect_ex
         socket.socket.setsockopt = setsockopt
+        socket.socket._real_close = _real_close
         asyncio.selector_events.BaseSelectorEventLoop.sock_connect = sock_connect
         ssl.SSLContext.load_default_certs = load_default_certs
 
@@ -645,37 +666,69 @@ class Tunnel:
         return address
 
     def open(self, address, timeout, real_connect):
-        """A connected tunnel to `address` (host, port): the socket that carries its bytes. Past the
-        tunnels an execution may hold at once, the service waits a while for one to close and then
-        refuses; this tries again, so that code which opens many at once waits, as node's runner does
-        (within the socket's timeout, when it has one)."""
+        """A connected tunnel to `address` (host, port): the socket that carries its bytes. With all the
+        execution's tunnels open, this waits for one to close (within the socket's timeout, if any)."""
         host, port = address[0], address[1]
         name = self.names.get(host) or (host if is_address(host) else host_name(host))
         line = f"{f'[{name}]' if ':' in name else name}:{port}\n".encode("ascii")
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
+        self.reserve(deadline)
+        through = None
+        try:
             through = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                through.settimeout(timeout if deadline is None else max(deadline - time.monotonic(), 0.001))
-                real_connect(through, self.path)
+            through.settimeout(None if deadline is None else max(deadline - time.monotonic(), 0.001))
+            real_connect(through, self.path)
+            # The service may answer a refusal before it reads the line: the answer says why.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 through.sendall(line)
-                code, message = tunnel_answer(through)
-            except BaseException:
-                through.close()
-                raise
-            if code is None:
-                return through
-            through.close()
-            if code != "ERR_METAAGENT_TUNNEL_LIMIT" or (deadline is not None and time.monotonic() >= deadline):
+            code, message = tunnel_answer(through)
+            if code is not None:
                 raise tunnel_error(code, message)
+        except BaseException:
+            if through is not None:
+                through.close()
+            with self.changed:
+                self.opening -= 1
+                self.changed.notify_all()
+            raise
+        with self.changed:
+            self.held[through.fileno()] = identity(through.fileno())
+            self.opening -= 1
+        return through
 
     def attach(self, sock, through):
         """Puts the tunnel's descriptor in place of the socket's, in the socket's blocking mode."""
         try:
             os.dup2(through.fileno(), sock.fileno(), inheritable=False)
-            sock.settimeout(sock.gettimeout())  # the descriptor's mode is the tunnel's now: set it again
+            with self.changed:
+                self.held[sock.fileno()] = self.held[through.fileno()]
         finally:
             through.close()
+        sock.settimeout(sock.gettimeout())  # the descriptor's mode is the tunnel's now: set it again
+
+    def reserve(self, deadline):
+        """Counts a tunnel about to open, once fewer than the limit are."""
+        with self.changed:
+            while len(set(self.held.values())) + self.opening >= self.max_tunnels:
+                # A close through the socket wakes this at once; a descriptor that went another way
+                # (collected unclosed, os.close) is found by looking again a moment later.
+                for descriptor, refers_to in list(self.held.items()):
+                    if identity(descriptor) != refers_to:
+                        del self.held[descriptor]
+                if len(set(self.held.values())) + self.opening < self.max_tunnels:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(errno.ETIMEDOUT, f"all {self.max_tunnels} tunnels of the execution stayed open")
+                self.changed.wait(TUNNEL_LOOK_AGAIN_S if remaining is None else min(remaining, TUNNEL_LOOK_AGAIN_S))
+            self.opening += 1
+
+    def forget(self, descriptor):
+        """After a socket's close: its descriptor no longer holds a tunnel."""
+        with self.changed:
+            if descriptor in self.held and identity(descriptor) != self.held[descriptor]:
+                del self.held[descriptor]
+                self.changed.notify_all()
 
 
 def tunneled(sock):
@@ -804,7 +857,8 @@ def leave(status, tell_end=False):
 
 def identity(fd):
     """What fd `fd` is open on, or None: fd 3 is the pipe to node only while it has the identity it had at
-    the start (a program may close it, and a file it opens next takes its number)."""
+    the start (a program may close it, and a file it opens next takes its number); a tunnel is open
+    while a descriptor it was opened or attached on refers to it."""
     try:
         found = os.fstat(fd)
     except BaseException:
