@@ -449,6 +449,30 @@ for way in ("closed", "dropped", "os.close"):
 
 
 @pytest.mark.docker
+def test_a_tunneled_python_socket_reports_its_peer_and_refuses_a_second_connect(run_net: RunNet, upstream: str) -> None:
+    """As on a network: the peer is the address connected to (asyncio's `peername` too), the socket's own
+    end has no TCP address here, and a connected socket refuses another connect (`EISCONN`)."""
+    port = port_of(upstream)
+    code = f"""
+import asyncio, errno, socket
+with socket.create_connection(("127.0.0.1", {port}), timeout=10) as s:
+    print(s.getpeername(), s.getsockname())
+    try:
+        s.connect(("127.0.0.1", {port}))
+    except OSError as exc:
+        print(errno.errorcode[exc.errno])
+async def main():
+    reader, writer = await asyncio.open_connection("127.0.0.1", {port})
+    print(writer.get_extra_info("peername"))
+    writer.close()
+asyncio.run(main())
+"""
+    result = run_net(code, ["127.0.0.1"], language="python")
+    expected = f"('127.0.0.1', {port}) ('0.0.0.0', 0)\nEISCONN\n('127.0.0.1', {port})\n"
+    assert (result.stdout, result.exit_code) == (expected, 0), result.body
+
+
+@pytest.mark.docker
 def test_a_python_session_with_network_reaches_an_allowed_host(network_service: Service, upstream: str) -> None:
     opened = network_service.post("/sessions", {"language": "python", "network": {"allow": ["127.0.0.1"]}})
     assert opened.status_code == 201, opened.text

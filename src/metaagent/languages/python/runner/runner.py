@@ -551,7 +551,7 @@ class Tunnel:
         # a descriptor it was opened or attached on still refers to it, whoever closes that descriptor,
         # however (close, collection, ssl's detach, os.close): the kernel says so, not object tracking.
         self.max_tunnels = max_tunnels
-        self.held = {}  # descriptor -> the identity of the tunnel socket it refers to
+        self.held = {}  # descriptor -> (identity of the tunnel socket it refers to, the peer's address)
         self.opening = 0
         self.changed = threading.Condition()
         self.names = {}  # stand-in address -> name
@@ -566,6 +566,8 @@ class Tunnel:
         real_connect = socket.socket.connect
         real_setsockopt = socket.socket.setsockopt
         real_close = socket.socket._real_close
+        real_getpeername = socket.socket.getpeername
+        real_getsockname = socket.socket.getsockname
         real_getaddrinfo = socket.getaddrinfo
         real_sock_connect = asyncio.selector_events.BaseSelectorEventLoop.sock_connect
         tunnel = self
@@ -590,6 +592,8 @@ class Tunnel:
         def connect(sock, address):
             if not tunneled(sock):
                 return real_connect(sock, address)  # the gate refuses it, unless it is the tunnel's path
+            if tunnel.peer(sock) is not None:
+                raise OSError(errno.EISCONN, os.strerror(errno.EISCONN))
             through = tunnel.open(address, sock.gettimeout() or None, real_connect)
             tunnel.attach(sock, through)
             return None
@@ -610,6 +614,23 @@ class Tunnel:
                 if level == socket.IPPROTO_TCP and exc.errno == errno.EOPNOTSUPP and tunneled(sock):
                     return None
                 raise
+
+        def getpeername(sock):
+            peer = tunnel.peer(sock) if tunneled(sock) else None
+            if peer is None:
+                return real_getpeername(sock)
+            if sock.family == socket.AF_INET:
+                return peer
+            host, port = peer
+            return (host if ":" in host else f"::ffff:{host}", port, 0, 0)
+
+        def getsockname(sock):
+            if not tunneled(sock) or tunnel.peer(sock) is None:
+                return real_getsockname(sock)
+            # The connection's own end is the service's: on this side there is no TCP address.
+            if sock.family == socket.AF_INET:
+                return ("0.0.0.0", 0)  # noqa: S104 -- an address reported, none bound
+            return ("::", 0, 0, 0)
 
         def _real_close(sock, *args):
             descriptor = sock.fileno()
@@ -649,6 +670,8 @@ class Tunnel:
         socket.socket.connect_ex = connect_ex
         socket.socket.setsockopt = setsockopt
         socket.socket._real_close = _real_close
+        socket.socket.getpeername = getpeername
+        socket.socket.getsockname = getsockname
         asyncio.selector_events.BaseSelectorEventLoop.sock_connect = sock_connect
         ssl.SSLContext.load_default_certs = load_default_certs
 
@@ -671,6 +694,7 @@ class Tunnel:
         host, port = address[0], address[1]
         name = self.names.get(host) or (host if is_address(host) else host_name(host))
         line = f"{f'[{name}]' if ':' in name else name}:{port}\n".encode("ascii")
+        peer = (host if is_address(host) else self.stand_in(name), port)
         deadline = None if timeout is None else time.monotonic() + timeout
         self.reserve(deadline)
         through = None
@@ -692,7 +716,7 @@ class Tunnel:
                 self.changed.notify_all()
             raise
         with self.changed:
-            self.held[through.fileno()] = identity(through.fileno())
+            self.held[through.fileno()] = (identity(through.fileno()), peer)
             self.opening -= 1
         return through
 
@@ -709,13 +733,13 @@ class Tunnel:
     def reserve(self, deadline):
         """Counts a tunnel about to open, once fewer than the limit are."""
         with self.changed:
-            while len(set(self.held.values())) + self.opening >= self.max_tunnels:
+            while self.in_use() >= self.max_tunnels:
                 # A close through the socket wakes this at once; a descriptor that went another way
                 # (collected unclosed, os.close) is found by looking again a moment later.
-                for descriptor, refers_to in list(self.held.items()):
+                for descriptor, (refers_to, _) in list(self.held.items()):
                     if identity(descriptor) != refers_to:
-                        del self.held[descriptor]
-                if len(set(self.held.values())) + self.opening < self.max_tunnels:
+                        self.held.pop(descriptor, None)
+                if self.in_use() < self.max_tunnels:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -726,9 +750,20 @@ class Tunnel:
     def forget(self, descriptor):
         """After a socket's close: its descriptor no longer holds a tunnel."""
         with self.changed:
-            if descriptor in self.held and identity(descriptor) != self.held[descriptor]:
+            if descriptor in self.held and identity(descriptor) != self.held[descriptor][0]:
                 del self.held[descriptor]
                 self.changed.notify_all()
+
+    def in_use(self):
+        """Tunnels open or opening (a tunnel on two descriptors is one)."""
+        return len({refers_to for refers_to, _ in self.held.values()}) + self.opening
+
+    def peer(self, sock):
+        """The address a socket's tunnel was opened to; None if it holds none."""
+        descriptor = sock.fileno()
+        with self.changed:
+            refers_to, peer = self.held.get(descriptor, (None, None))
+        return peer if refers_to is not None and identity(descriptor) == refers_to else None
 
 
 def tunneled(sock):
