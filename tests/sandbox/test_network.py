@@ -43,6 +43,7 @@ from metaagent.sandbox.tunnel import (
     BURST_S,
     DEFAULT_TUNNEL_RATE,
     MAX_REFUSALS,
+    SLOT_WAIT_S,
     TunnelStats,
 )
 from tests.conftest import _UpstreamHandler
@@ -417,22 +418,57 @@ async def main():
     reader, writer = await asyncio.open_connection("127.0.0.1", {port_of(upstream)})
     print("OPENED")
     writer.close()
+    await writer.wait_closed()
+    held.append(socket.create_connection(("127.0.0.1", {port_of(upstream)})))
+    try:
+        await asyncio.wait_for(asyncio.open_connection("127.0.0.1", {port_of(upstream)}), 0.2)
+    except TimeoutError:
+        print("GAVE UP AGAIN")
     ticker.cancel()
 asyncio.run(main())
 """
+    # The program ends with its 8 tunnels still open and a connect given up on: the thread that waited
+    # for a tunnel stops, or the program's exit would wait for it until the execution's timeout.
     result = run_net(code, ["127.0.0.1"], timeout_s=30, language="python")
-    assert (result.stdout, result.exit_code) == ("GAVE UP True\nOPENED\n", 0), result.body
+    assert (result.stdout, result.exit_code) == ("GAVE UP True\nOPENED\nGAVE UP AGAIN\n", 0), result.body
+
+
+@pytest.mark.docker
+def test_a_python_connect_past_the_tunnel_limit_waits_in_the_runner_and_is_never_refused(
+    run_net: RunNet, network_service: Service, upstream: str
+) -> None:
+    """With the execution's 8 tunnels open, a 9th connect waits in the runner, as node's does, for longer
+    than the service would hold it before refusing it, and opens once one closes: the service never saw
+    it early, so nothing was refused (each refusal would count towards the execution's cap of 50)."""
+    code = f"""
+import socket, threading, time
+address = ("127.0.0.1", {port_of(upstream)})
+held = [socket.create_connection(address, timeout=60) for _ in range(8)]
+ninth = []
+waiter = threading.Thread(target=lambda: ninth.append(socket.create_connection(address, timeout=60)))
+waiter.start()
+time.sleep({SLOT_WAIT_S + 1})
+print("waiting", not ninth)
+held.pop().close()
+waiter.join()
+print("opened", len(ninth))
+"""
+    result = run_net(code, ["127.0.0.1"], timeout_s=60, language="python")
+    assert (result.stdout, result.exit_code) == ("waiting True\nopened 1\n", 0), result.body
+    tunnels = finished_record(network_service, result)["network"]["tunnels"]
+    assert (tunnels["opened"], tunnels["refused"]) == (9, 0), tunnels
 
 
 @pytest.mark.docker
 def test_a_python_tunnel_is_free_again_however_its_descriptor_closes(run_net: RunNet, upstream: str) -> None:
-    """The runner counts the execution's 8 tunnels by their descriptors: a socket closed, dropped unclosed
-    or taken apart (`detach`, then `os.close`) gives its tunnel back, so the next 8 open (a tunnel still
-    counted would make the next connect wait out its 10 s timeout and fail)."""
+    """The runner counts the execution's 8 tunnels by their descriptors: a socket closed, dropped unclosed,
+    taken apart (`detach`, then `os.close`), or copied (`dup`) and closed twice gives its tunnel back, so
+    the next 8 open (a tunnel still counted would make the next connect wait out its 10 s timeout and
+    fail); a copy keeps the tunnel counted while it is open (the 8th connect waits out 0.5 s)."""
     code = f"""
 import os, socket
 address = ("127.0.0.1", {port_of(upstream)})
-for way in ("closed", "dropped", "os.close"):
+for way in ("closed", "dropped", "os.close", "dup"):
     for _ in range(2):
         sockets = [socket.create_connection(address, timeout=10) for _ in range(8)]
         if way == "closed":
@@ -441,11 +477,22 @@ for way in ("closed", "dropped", "os.close"):
         elif way == "os.close":
             for s in sockets:
                 os.close(s.detach())
+        elif way == "dup":
+            copies = [s.dup() for s in sockets]
+            for s in sockets:
+                s.close()
+            try:
+                socket.create_connection(address, timeout=0.5)
+            except TimeoutError:
+                print("copies count")
+            for s in copies:
+                s.close()
         del sockets
     print(way)
 """
     result = run_net(code, ["127.0.0.1"], timeout_s=30, language="python")
-    assert (result.stdout, result.exit_code) == ("closed\ndropped\nos.close\n", 0), result.body
+    expected = "closed\ndropped\nos.close\ncopies count\ncopies count\ndup\n"
+    assert (result.stdout, result.exit_code) == (expected, 0), result.body
 
 
 @pytest.mark.docker

@@ -72,6 +72,7 @@ CHUNK = 64 * 1024
 MAX_REFUSALS = 50
 DEFAULT_TUNNEL_RATE = 50.0  # new tunnels per second per execution
 BURST_S = 2.0  # each bucket holds this many seconds of its rate
+SLOT_WAIT_S = 5.0  # how long a connection past max_tunnels waits for a free slot before it is refused
 ACCEPTS_PER_TUNNEL = 4  # the accept budget: room for refusals, still bounded
 MIN_ACCEPTS_PER_S = 20.0  # so that a low tunnel rate still refuses at once rather than leave connections hanging
 RELAY_CHUNKS_PER_S = 2000.0  # up to 64 KiB each: ample for one sandbox at 0.5 CPU
@@ -93,7 +94,7 @@ class TunnelPolicy:
     max_tunnels: int
     max_bytes: int
     connect_timeout_s: float = 10.0
-    slot_wait_s: float = 5.0
+    slot_wait_s: float = SLOT_WAIT_S
     tunnel_rate: float = DEFAULT_TUNNEL_RATE
 
 

@@ -505,6 +505,7 @@ def text_stream(fd, errors):
 
 MAX_TUNNEL_REPLY = 1024
 TUNNEL_LOOK_AGAIN_S = 0.05
+MAX_OPENER_THREADS = 8
 MAX_STAND_INS = 1 << 17  # 198.18.0.0/15, RFC 2544's benchmarking block: no host an execution reaches has one
 SERVICES = {"http": 80, "https": 443}
 
@@ -553,7 +554,11 @@ class Tunnel:
         self.max_tunnels = max_tunnels
         self.held = {}  # descriptor -> (identity of the tunnel socket it refers to, the peer's address)
         self.opening = 0
-        self.changed = threading.Condition()
+        # `with self.guard`, not `with self.changed`: an RLock's exit is C, so an interrupt (a session's
+        # SIGINT) cannot land between the block's end and the release; re-entrant for a close that a
+        # collection runs inside a block.
+        self.guard = threading.RLock()
+        self.changed = threading.Condition(self.guard)
         self.names = {}  # stand-in address -> name
         self.stand_ins = {}  # name -> stand-in address
         self.lock = threading.Lock()
@@ -566,6 +571,7 @@ class Tunnel:
         real_connect = socket.socket.connect
         real_setsockopt = socket.socket.setsockopt
         real_close = socket.socket._real_close
+        real_dup = socket.socket.dup
         real_getpeername = socket.socket.getpeername
         real_getsockname = socket.socket.getsockname
         real_getaddrinfo = socket.getaddrinfo
@@ -632,6 +638,11 @@ class Tunnel:
                 return ("0.0.0.0", 0)  # noqa: S104 -- an address reported, none bound
             return ("::", 0, 0, 0)
 
+        def dup(sock):
+            copy = real_dup(sock)
+            tunnel.copied(sock.fileno(), copy.fileno())
+            return copy
+
         def _real_close(sock, *args):
             descriptor = sock.fileno()
             try:
@@ -644,16 +655,25 @@ class Tunnel:
             `wait_for` can give up on it (a connect it gave up on is closed when it opens)."""
             if not tunneled(sock):
                 return await real_sock_connect(loop, sock, address)
+            if tunnel.peer(sock) is not None:
+                raise OSError(errno.EISCONN, os.strerror(errno.EISCONN))
             if tunnel.opener is None:
                 import concurrent.futures
 
-                tunnel.opener = concurrent.futures.ThreadPoolExecutor(
-                    tunnel.max_tunnels, thread_name_prefix="metaagent-tunnel"
-                )
-            opening = tunnel.opener.submit(tunnel.open, address, None, real_connect)
+                # A thread only opens (the tunnels it opened are held elsewhere), and each counts against
+                # the container's 32 processes and threads.
+                threads = min(tunnel.max_tunnels, MAX_OPENER_THREADS)
+                tunnel.opener = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="metaagent-tunnel")
+            abandoned = threading.Event()
+            opening = tunnel.opener.submit(tunnel.open, address, None, real_connect, abandoned)
             try:
                 through = await asyncio.wrap_future(opening)
             except BaseException:
+                # Given up on: a thread that waits for a free tunnel stops (or the program could not
+                # exit, as its exit waits for the thread); one that opened it meanwhile closes it.
+                abandoned.set()
+                with tunnel.guard:
+                    tunnel.changed.notify_all()
                 opening.add_done_callback(close_what_opened)
                 raise
             tunnel.attach(sock, through)
@@ -670,6 +690,7 @@ class Tunnel:
         socket.socket.connect_ex = connect_ex
         socket.socket.setsockopt = setsockopt
         socket.socket._real_close = _real_close
+        socket.socket.dup = dup
         socket.socket.getpeername = getpeername
         socket.socket.getsockname = getsockname
         asyncio.selector_events.BaseSelectorEventLoop.sock_connect = sock_connect
@@ -688,15 +709,16 @@ class Tunnel:
                 self.names[address] = name
         return address
 
-    def open(self, address, timeout, real_connect):
+    def open(self, address, timeout, real_connect, abandoned=None):
         """A connected tunnel to `address` (host, port): the socket that carries its bytes. With all the
-        execution's tunnels open, this waits for one to close (within the socket's timeout, if any)."""
+        execution's tunnels open, this waits for one to close (within the socket's timeout, if any, and
+        until `abandoned` is set)."""
         host, port = address[0], address[1]
         name = self.names.get(host) or (host if is_address(host) else host_name(host))
         line = f"{f'[{name}]' if ':' in name else name}:{port}\n".encode("ascii")
         peer = (host if is_address(host) else self.stand_in(name), port)
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.reserve(deadline)
+        self.reserve(deadline, abandoned)
         through = None
         try:
             through = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -708,32 +730,39 @@ class Tunnel:
             code, message = tunnel_answer(through)
             if code is not None:
                 raise tunnel_error(code, message)
+            with self.guard:
+                self.held[through.fileno()] = (identity(through.fileno()), peer)
         except BaseException:
             if through is not None:
                 through.close()
-            with self.changed:
+            raise
+        finally:
+            with self.guard:
                 self.opening -= 1
                 self.changed.notify_all()
-            raise
-        with self.changed:
-            self.held[through.fileno()] = (identity(through.fileno()), peer)
-            self.opening -= 1
         return through
 
     def attach(self, sock, through):
         """Puts the tunnel's descriptor in place of the socket's, in the socket's blocking mode."""
+        descriptor = sock.fileno()
         try:
-            os.dup2(through.fileno(), sock.fileno(), inheritable=False)
-            with self.changed:
-                self.held[sock.fileno()] = self.held[through.fileno()]
+            with self.guard:  # no sweep sees the socket's descriptor counted before it refers to the tunnel
+                self.held[descriptor] = self.held[through.fileno()]
+                try:
+                    os.dup2(through.fileno(), descriptor, inheritable=False)
+                except BaseException:
+                    self.forget(descriptor)
+                    raise
         finally:
             through.close()
         sock.settimeout(sock.gettimeout())  # the descriptor's mode is the tunnel's now: set it again
 
-    def reserve(self, deadline):
+    def reserve(self, deadline, abandoned):
         """Counts a tunnel about to open, once fewer than the limit are."""
-        with self.changed:
+        with self.guard:
             while self.in_use() >= self.max_tunnels:
+                if abandoned is not None and abandoned.is_set():
+                    raise ConnectionAbortedError(errno.ECONNABORTED, "the connect was given up")
                 # A close through the socket wakes this at once; a descriptor that went another way
                 # (collected unclosed, os.close) is found by looking again a moment later.
                 for descriptor, (refers_to, _) in list(self.held.items()):
@@ -749,10 +778,16 @@ class Tunnel:
 
     def forget(self, descriptor):
         """After a socket's close: its descriptor no longer holds a tunnel."""
-        with self.changed:
+        with self.guard:
             if descriptor in self.held and identity(descriptor) != self.held[descriptor][0]:
                 del self.held[descriptor]
                 self.changed.notify_all()
+
+    def copied(self, descriptor, copy):
+        """A tunnel's descriptor was duplicated (`socket.dup`): the tunnel stays open while either is."""
+        with self.guard:
+            if descriptor in self.held:
+                self.held[copy] = self.held[descriptor]
 
     def in_use(self):
         """Tunnels open or opening (a tunnel on two descriptors is one)."""
@@ -761,7 +796,7 @@ class Tunnel:
     def peer(self, sock):
         """The address a socket's tunnel was opened to; None if it holds none."""
         descriptor = sock.fileno()
-        with self.changed:
+        with self.guard:
             refers_to, peer = self.held.get(descriptor, (None, None))
         return peer if refers_to is not None and identity(descriptor) == refers_to else None
 
@@ -880,7 +915,10 @@ def leave(status, tell_end=False):
     for step in steps:
         with contextlib.suppress(BaseException):  # the program's exit functions and streams: nothing to add
             step()
-    if tell_end and identity(ANSWERS) == ANSWERS_PIPE:
+    told = False
+    with contextlib.suppress(BaseException):
+        told = tell_end and identity(ANSWERS) == ANSWERS_PIPE
+    if told:
         try:
             write_all(ANSWERS, b"ended %d\n" % status)
         except BaseException:  # noqa: S110 (the pipe is gone: node sees the exit instead)
@@ -896,7 +934,7 @@ def identity(fd):
     while a descriptor it was opened or attached on refers to it."""
     try:
         found = os.fstat(fd)
-    except BaseException:
+    except OSError:
         return None
     return (found.st_dev, found.st_ino)
 
