@@ -598,8 +598,7 @@ class Tunnel:
         def connect(sock, address):
             if not tunneled(sock):
                 return real_connect(sock, address)  # the gate refuses it, unless it is the tunnel's path
-            if tunnel.peer(sock) is not None:
-                raise OSError(errno.EISCONN, os.strerror(errno.EISCONN))
+            tunnel.refuse_if_connected(sock)
             through = tunnel.open(address, sock.gettimeout() or None, real_connect)
             tunnel.attach(sock, through)
             return None
@@ -655,8 +654,7 @@ class Tunnel:
             `wait_for` can give up on it (a connect it gave up on is closed when it opens)."""
             if not tunneled(sock):
                 return await real_sock_connect(loop, sock, address)
-            if tunnel.peer(sock) is not None:
-                raise OSError(errno.EISCONN, os.strerror(errno.EISCONN))
+            tunnel.refuse_if_connected(sock)
             if tunnel.opener is None:
                 import concurrent.futures
 
@@ -765,9 +763,8 @@ class Tunnel:
                     raise ConnectionAbortedError(errno.ECONNABORTED, "the connect was given up")
                 # A close through the socket wakes this at once; a descriptor that went another way
                 # (collected unclosed, os.close) is found by looking again a moment later.
-                for descriptor, (refers_to, _) in list(self.held.items()):
-                    if identity(descriptor) != refers_to:
-                        self.held.pop(descriptor, None)
+                for descriptor in list(self.held):
+                    self.forget(descriptor)
                 if self.in_use() < self.max_tunnels:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -777,7 +774,8 @@ class Tunnel:
             self.opening += 1
 
     def forget(self, descriptor):
-        """After a socket's close: its descriptor no longer holds a tunnel."""
+        """After a socket's close, or when looking again: a descriptor that no longer refers to its tunnel
+        no longer holds it."""
         with self.guard:
             if descriptor in self.held and identity(descriptor) != self.held[descriptor][0]:
                 del self.held[descriptor]
@@ -792,6 +790,10 @@ class Tunnel:
     def in_use(self):
         """Tunnels open or opening (a tunnel on two descriptors is one)."""
         return len({refers_to for refers_to, _ in self.held.values()}) + self.opening
+
+    def refuse_if_connected(self, sock):
+        if self.peer(sock) is not None:
+            raise OSError(errno.EISCONN, os.strerror(errno.EISCONN))
 
     def peer(self, sock):
         """The address a socket's tunnel was opened to; None if it holds none."""
